@@ -1,0 +1,36 @@
+# Two commands for a new user: `make demo` and `make test`.  Both create .venv when
+# missing and install the package editable with every backend (CPU builds).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.abstractdiff-installed
+# torch==2.13.0 resolves to the CPU wheel on these machines; a looser spec can pull a
+# multi-GB CUDA build.  Everything else comes from pyproject's extras.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+
+.PHONY: demo test lint docs bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[all,test,docs]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/abstractdiff check
+
+test: $(STAMP)
+	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --doctest-modules abstractdiff tests conformance_tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) site build *.egg-info

@@ -1,0 +1,85 @@
+"""Every exception abstractdiff raises.
+
+Each class derives from :class:`AbstractDiffError` and from the builtin exception a
+caller would naturally catch (``ValueError``, ``TypeError``, ``ImportError``...), so
+``except ValueError`` keeps working for code that does not know abstractdiff.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AbstractDiffError",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "DeviceError",
+    "InvalidOutputError",
+    "ModeMismatchError",
+    "NonDifferentiableInputError",
+    "NonFiniteError",
+    "NonScalarOutputError",
+    "ShapeMismatchError",
+    "TracedControlFlowError",
+    "UnknownBackendError",
+]
+
+
+class AbstractDiffError(Exception):
+    """Base class of every error raised by abstractdiff."""
+
+
+class UnknownBackendError(AbstractDiffError, ValueError):
+    """No backend is registered under the requested name."""
+
+
+class BackendUnavailableError(AbstractDiffError, ImportError):
+    """The backend is registered but its AD library cannot be imported here."""
+
+
+class NonScalarOutputError(AbstractDiffError, ValueError):
+    """``gradient``-style operators need ``f`` to return a scalar (shape ``()``)."""
+
+
+class NonDifferentiableInputError(AbstractDiffError, TypeError):
+    """``x`` has no floating-point leaf to differentiate with respect to."""
+
+
+class ShapeMismatchError(AbstractDiffError, ValueError):
+    """A tangent, cotangent or prepared-call input does not match what was expected."""
+
+
+class InvalidOutputError(AbstractDiffError, TypeError):
+    """``f`` returned something that is not an array (a string, a list...)."""
+
+
+class ModeMismatchError(AbstractDiffError, TypeError):
+    """Implicit ``Params`` reached an explicit backend, or the reverse."""
+
+
+class DeviceError(AbstractDiffError, ValueError):
+    """The requested device does not exist or is not supported by the backend."""
+
+
+class TracedControlFlowError(AbstractDiffError, TypeError):
+    """Python control flow on a traced value inside a compiled function."""
+
+
+class CheckpointError(AbstractDiffError, ValueError):
+    """A checkpoint file is truncated, unsafe, or does not match the expected structure."""
+
+
+class NonFiniteError(AbstractDiffError, FloatingPointError):
+    """Training produced a non-finite loss or gradient; nothing was applied.
+
+    Attributes:
+        state: the optimiser state before the failing step (the last good one).
+        model: the model before the failing step (the last good one).
+        step: the global step number (counting from 1) whose loss or gradient was not finite.
+    """
+
+    def __init__(self, message: str, *, state: Any = None, model: Any = None, step: int = 0):
+        super().__init__(message)
+        self.state = state
+        self.model = model
+        self.step = step

@@ -1,0 +1,206 @@
+"""Backends by name: a lazy table of the built-in adapters, plus third-party ones.
+
+Nothing here imports an AD library.  A built-in adapter's module is imported when its
+backend is first created; availability is decided with ``importlib.util.find_spec``,
+which locates a package without importing it (einops' rule: never import a framework
+to find out whether it is there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._backend import Backend
+from ._errors import BackendUnavailableError, UnknownBackendError
+
+__all__ = ["available_backends", "backend", "register_backend", "registered_backends"]
+
+ENTRY_POINT_GROUP = "abstractdiff.backends"
+
+
+@dataclass
+class _Entry:
+    target: str | Callable[..., Backend]  # "module:attr", or a factory
+    requires: tuple[str, ...] = ()  # top-level modules that must be importable
+    extra: str | None = None  # pip extra that installs them
+
+
+_BUILTIN: dict[str, _Entry] = {
+    "finite_differences": _Entry("abstractdiff.adapters.finite_differences:FiniteDifferencesBackend"),
+    "autograd": _Entry("abstractdiff.adapters.autograd:AutogradBackend", ("autograd",), "autograd"),
+    "jax": _Entry("abstractdiff.adapters.jax:JaxBackend", ("jax", "jaxlib"), "jax"),
+    "tensorflow": _Entry("abstractdiff.adapters.tensorflow:TensorFlowBackend", ("tensorflow",), "tensorflow"),
+    "torch": _Entry("abstractdiff.adapters.torch:TorchBackend", ("torch",), "torch"),
+    "implicit": _Entry("abstractdiff.adapters.implicit:Implicit"),
+}
+
+_registry: dict[str, _Entry] = dict(_BUILTIN)
+_instances: dict[Any, Backend] = {}
+_lock = threading.Lock()
+_entry_points_loaded = False
+
+
+def register_backend(
+    name: str, factory: Callable[..., Backend] | str, *, requires: tuple[str, ...] = (), replace: bool = False
+) -> None:
+    """Register a backend under ``name``.
+
+    ``factory(**options) -> Backend`` is called by :func:`backend`; it may also be a
+    ``"module:attribute"`` string, imported on first use.  ``requires`` names modules
+    that must be importable for the backend to count as available.  Registering an
+    existing name raises ``ValueError`` unless ``replace=True``.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> from abstractdiff.adapters.finite_differences import FiniteDifferencesBackend
+        >>> ad.register_backend("coarse_fd", lambda **o: FiniteDifferencesBackend(step=1e-3, **o))
+        >>> ad.backend("coarse_fd").name
+        'finite_differences'
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"backend name must be a non-empty string, got {name!r}")
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise TypeError(
+            f"factory must be a callable returning a Backend or a 'module:attribute' string, "
+            f"got {factory!r}"
+        )
+    with _lock:
+        if name in _registry and not replace:
+            raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it")
+        _registry[name] = _Entry(factory, tuple(requires))
+        for key in [k for k in _instances if k[0] == name]:
+            del _instances[key]
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _registry:
+            _registry[ep.name] = _Entry(ep.value)
+
+
+def registered_backends() -> list[str]:
+    """Every registered backend name (built-in, registered, entry points), sorted."""
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def _missing_module(entry: _Entry) -> str | None:
+    for module in entry.requires:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return module
+        except (ImportError, ValueError):
+            return module
+    return None
+
+
+def available_backends() -> list[str]:
+    """The registered backends whose AD library is installed here, sorted.
+
+    Decided without importing any AD library.
+    """
+    _load_entry_points()
+    return sorted(name for name, entry in _registry.items() if _missing_module(entry) is None)
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot be created here, or ``None`` if it can."""
+    entry = _lookup(name)
+    missing = _missing_module(entry)
+    if missing is None:
+        return None
+    return _install_hint(name, entry, missing)
+
+
+def _install_hint(name: str, entry: _Entry, module: str) -> str:
+    extra = entry.extra
+    how = f"pip install 'abstractdiff[{extra}]'" if extra else f"pip install {module}"
+    return f"backend {name!r} needs the {module!r} library, which is not installed here: {how}"
+
+
+def _lookup(name: str) -> _Entry:
+    entry = _registry.get(name)
+    if entry is None:
+        _load_entry_points()
+        entry = _registry.get(name)
+    if entry is None:
+        raise UnknownBackendError(
+            f"no backend named {name!r}; registered backends: {', '.join(sorted(_registry))}. "
+            f"Third-party adapters register with ad.register_backend or the "
+            f"{ENTRY_POINT_GROUP!r} entry-point group"
+        )
+    return entry
+
+
+def _resolve(name: str, entry: _Entry) -> Callable[..., Backend]:
+    target = entry.target
+    if callable(target):
+        return target
+    module_name, _, attr = target.partition(":")
+    missing = _missing_module(entry)
+    if missing is not None:
+        raise BackendUnavailableError(_install_hint(name, entry, missing), name=missing)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        failed = err.name or module_name
+        raise BackendUnavailableError(
+            f"backend {name!r} could not be imported ({err}); "
+            + (f"pip install 'abstractdiff[{entry.extra}]'" if entry.extra else f"check that {failed!r} is installed"),
+            name=failed,
+        ) from err
+    return getattr(module, attr)
+
+
+def backend(name: str | Backend, **options: Any) -> Backend:
+    """The backend registered as ``name``, created with ``options``.
+
+    ``backend(name, **options) -> Backend``.  Options are the adapter's (``device="gpu"``,
+    ``compile=False``, ``step=`` ...).  Instances are shared: the same name and options
+    return the same object, so its caches of prepared functions are reused.  A
+    :class:`Backend` instance passes through unchanged.
+
+    Raises:
+        UnknownBackendError: no backend of that name (the message lists them).
+        BackendUnavailableError: its library is not installed (the message names the extra).
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> ad.backend("finite_differences")
+        FiniteDifferencesBackend(device='cpu', step=None)
+    """
+    if isinstance(name, Backend):
+        if options:
+            raise TypeError("options cannot be given with a Backend instance")
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+    entry = _lookup(name)
+    try:
+        key: Any = (name, tuple(sorted(options.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _instances:
+        return _instances[key]
+    factory = _resolve(name, entry)
+    instance = factory(**options)
+    if not isinstance(instance, Backend):
+        raise TypeError(
+            f"the factory registered as {name!r} returned {type(instance).__name__}, not an "
+            f"abstractdiff.Backend; subclass abstractdiff.Backend"
+        )
+    if key is not None:
+        with _lock:
+            instance = _instances.setdefault(key, instance)
+    return instance

@@ -1,0 +1,256 @@
+"""Pytree plumbing shared by every backend.
+
+The public operators take ``f(x, *args)`` with ``x`` and ``args`` arbitrary pytrees
+(``optree``: dict, list, tuple, namedtuple, None).  The core flattens both once and
+hands adapters a *flat function* ``fn(xs, data) -> (y, aux)`` of two lists:
+
+* ``xs``: the floating-point leaves of ``x``, the ones being differentiated;
+* ``data``: every other array leaf, of ``x`` (integer arrays) and of ``args`` (any
+  dtype), passed through undifferentiated.
+
+Everything else (Python ints, bools, strings, other objects) is *static*: it is closed
+over by the flat function and part of the cache key, so compiled backends specialise on
+it exactly as ``jax.jit`` does on static arguments.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import optree
+
+from ._errors import InvalidOutputError
+
+DIFF, DATA, STATIC = 0, 1, 2
+
+PyTree = Any
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` (numpy, torch, tensorflow or jax) is a real floating type."""
+    flag = getattr(dtype, "is_floating_point", None)  # torch.dtype
+    if flag is None:
+        flag = getattr(dtype, "is_floating", None)  # tf.DType
+    if flag is not None:
+        return bool(flag)
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        return False
+    return name.startswith(("float", "bfloat"))
+
+
+def is_array(obj: Any) -> bool:
+    """Duck-typed array test: numpy, torch, jax (tracers too), tensorflow, ArrayBox."""
+    return hasattr(obj, "shape") and hasattr(obj, "dtype")
+
+
+def leaf_kind(leaf: Any, differentiable: bool) -> int:
+    """Classify one leaf as DIFF, DATA or STATIC (see the module docstring)."""
+    if isinstance(leaf, bool):
+        return STATIC
+    if isinstance(leaf, float):
+        return DIFF if differentiable else STATIC
+    if isinstance(leaf, (int, str, bytes, complex)):
+        return STATIC
+    if is_array(leaf):
+        if differentiable and is_float_dtype(leaf.dtype):
+            return DIFF
+        return DATA
+    return STATIC
+
+
+def _static_key(leaf: Any) -> Any:
+    # (type, value) so that 1, 1.0 and True key differently; unhashable objects by
+    # identity (the flat function keeps them alive, so the id cannot be reused).
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("id", id(leaf))
+    return (type(leaf), leaf)
+
+
+class FlatFunction:
+    """``f(x, *args)`` seen as ``fn(xs, data) -> (y, aux)`` over flat leaf lists.
+
+    Built once per (function, structure, static leaves) and cached by the backend, so
+    adapters can hang compiled variants of it on ``self.cache``.
+    """
+
+    __slots__ = (
+        "f",
+        "x_treedef",
+        "args_treedef",
+        "template",
+        "diff_index",
+        "data_index",
+        "n_x_leaves",
+        "has_aux",
+        "cache",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        x_treedef: Any,
+        args_treedef: Any,
+        template: list[Any],
+        diff_index: tuple[int, ...],
+        data_index: tuple[int, ...],
+        n_x_leaves: int,
+        has_aux: bool,
+    ):
+        self.f = f
+        self.x_treedef = x_treedef
+        self.args_treedef = args_treedef
+        self.template = template
+        self.diff_index = diff_index
+        self.data_index = data_index
+        self.n_x_leaves = n_x_leaves
+        self.has_aux = has_aux
+        self.cache: dict[Any, Any] = {}
+
+    def rebuild(self, xs: list[Any], data: list[Any]) -> tuple[PyTree, tuple[Any, ...]]:
+        """The ``(x, args)`` that ``f`` is called with, from flat leaves."""
+        leaves = list(self.template)
+        for i, v in zip(self.diff_index, xs):
+            leaves[i] = v
+        for i, v in zip(self.data_index, data):
+            leaves[i] = v
+        n = self.n_x_leaves
+        x = optree.tree_unflatten(self.x_treedef, leaves[:n])
+        args = optree.tree_unflatten(self.args_treedef, leaves[n:])
+        return x, args
+
+    def __call__(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
+        x, args = self.rebuild(xs, data)
+        out = self.f(x, *args)
+        if self.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise InvalidOutputError(
+                    f"with has_aux=True, f must return a pair (y, aux); it returned "
+                    f"{type(out).__name__}"
+                )
+            y, aux = out
+        else:
+            y, aux = out, None
+        return check_output(y), aux
+
+    def unflatten_x(self, values: list[Any], fill: Any = None) -> PyTree:
+        """A tree shaped like ``x`` with ``values`` at the float leaves, ``fill`` elsewhere."""
+        leaves = [fill] * self.n_x_leaves
+        for i, v in zip(self.diff_index, values):
+            leaves[i] = v
+        return optree.tree_unflatten(self.x_treedef, leaves)
+
+    def __repr__(self) -> str:
+        name = getattr(self.f, "__qualname__", repr(self.f))
+        return f"FlatFunction({name}, x={self.x_treedef})"
+
+
+def check_output(y: Any) -> Any:
+    """``f``'s primary output must be an array or a Python number."""
+    if is_array(y):
+        return y
+    if isinstance(y, (int, float)) and not isinstance(y, bool):
+        return np.asarray(y, dtype=np.float64)
+    raise InvalidOutputError(
+        f"f must return an array (or a Python number), but it returned a "
+        f"{type(y).__name__}; return one array, e.g. stack or sum the values"
+    )
+
+
+class FunctionKey:
+    """A weak, hashable handle on ``f``: bound methods are keyed by (self, function)."""
+
+    @staticmethod
+    def of(f: Callable[..., Any]) -> tuple[Any, Any] | None:
+        owner = getattr(f, "__self__", None)
+        func = getattr(f, "__func__", None)
+        if owner is not None and func is not None:
+            return (func, owner)
+        return (f, None)
+
+
+class PlanCache:
+    """Flat functions per user function, dropped when the function is garbage collected."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, int], tuple[Any, dict[Any, FlatFunction]]] = {}
+
+    def lookup(self, f: Callable[..., Any], key: Any) -> FlatFunction | None:
+        func, owner = FunctionKey.of(f)  # type: ignore[misc]
+        entry = self._entries.get((id(func), id(owner)))
+        if entry is None:
+            return None
+        return entry[1].get(key)
+
+    def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction) -> None:
+        func, owner = FunctionKey.of(f)  # type: ignore[misc]
+        ident = (id(func), id(owner))
+        entry = self._entries.get(ident)
+        if entry is None:
+            try:
+                refs = [weakref.ref(func, lambda _r, ident=ident: self._entries.pop(ident, None))]
+                if owner is not None:
+                    refs.append(
+                        weakref.ref(owner, lambda _r, ident=ident: self._entries.pop(ident, None))
+                    )
+            except TypeError:
+                return  # not weak-referenceable (a builtin): do not cache
+            entry = (refs, {})
+            self._entries[ident] = entry
+        entry[1][key] = fn
+
+    def __len__(self) -> int:
+        return sum(len(e[1]) for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def flatten_call(
+    cache: PlanCache | None,
+    f: Callable[..., Any],
+    x: PyTree,
+    args: tuple[Any, ...],
+    has_aux: bool,
+) -> tuple[FlatFunction, list[Any], list[Any]]:
+    """Split ``f(x, *args)`` into a (cached) flat function and its leaf lists."""
+    x_leaves, x_treedef = optree.tree_flatten(x)
+    a_leaves, a_treedef = optree.tree_flatten(args)
+    diff_index = []
+    data_index = []
+    static = []
+    for i, leaf in enumerate(x_leaves):
+        kind = leaf_kind(leaf, True)
+        if kind == DIFF:
+            diff_index.append(i)
+        elif kind == DATA:
+            data_index.append(i)
+        else:
+            static.append((i, _static_key(leaf)))
+    n = len(x_leaves)
+    for j, leaf in enumerate(a_leaves):
+        kind = leaf_kind(leaf, False)
+        if kind == DATA:
+            data_index.append(n + j)
+        else:
+            static.append((n + j, _static_key(leaf)))
+    key = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
+    leaves = x_leaves + a_leaves
+    fn = cache.lookup(f, key) if cache is not None else None
+    if fn is None:
+        dynamic = set(diff_index) | set(data_index)
+        template = [None if i in dynamic else leaf for i, leaf in enumerate(leaves)]
+        fn = FlatFunction(
+            f, x_treedef, a_treedef, template, tuple(diff_index), tuple(data_index), n, has_aux
+        )
+        if cache is not None:
+            cache.store(f, key, fn)
+    xs = [leaves[i] for i in diff_index]
+    data = [leaves[i] for i in data_index]
+    return fn, xs, data
