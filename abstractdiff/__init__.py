@@ -43,8 +43,57 @@ from ._registry import available_backends, backend, register_backend, registered
 
 __version__ = "0.1.0"
 
+# Features in their own modules, loaded on first attribute access so that importing
+# abstractdiff stays cheap (see benchmarks/import_time.py).
+_LAZY = {
+    "Params": "abstractdiff._implicit",
+    "Grads": "abstractdiff._implicit",
+    "Variable": "abstractdiff._implicit",
+    "variables": "abstractdiff._implicit",
+    "Implicit": "abstractdiff.adapters.implicit",
+    "train_step": "abstractdiff._train",
+    "train": "abstractdiff._train",
+    "save_checkpoint": "abstractdiff._checkpoint",
+    "load_checkpoint": "abstractdiff._checkpoint",
+    "prepare_gradient": "abstractdiff._prepare",
+    "prepare_value_and_gradient": "abstractdiff._prepare",
+    "prepare_pullback": "abstractdiff._prepare",
+}
+_SUBMODULES = ("optim", "testing")
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"abstractdiff.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'abstractdiff' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
 __all__ = [
     "AbstractDiffError",
+    "Grads",
+    "Implicit",
+    "Params",
+    "Variable",
+    "load_checkpoint",
+    "optim",
+    "prepare_gradient",
+    "prepare_pullback",
+    "prepare_value_and_gradient",
+    "save_checkpoint",
+    "testing",
+    "train",
+    "train_step",
+    "variables",
     "Backend",
     "BackendUnavailableError",
     "CheckpointError",
