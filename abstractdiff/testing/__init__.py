@@ -1,0 +1,1 @@
+"""Reusable conformance harness (scenarios, check_backend, compare_backends)."""
