@@ -206,6 +206,14 @@ class Backend:
         check_scalar(y)
         return y, aux, [self._forward_columns(jvp, xs, k, y) for k in range(len(xs))]
 
+    def flat_prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], tuple]:
+        """``run(xs, data) -> (y, aux, grads)`` for repeated calls on inputs shaped like ``xs``/``data``.
+
+        Used by ``ad.prepare_value_and_gradient``.  Adapters override it to hoist
+        per-call work (cache lookups, dtype scopes, compilation) out of the loop.
+        """
+        return lambda xs, data: self.flat_value_and_gradient(fn, xs, data)
+
     def _forward_columns(self, jvp: Callable, xs: list, k: int, y: Any) -> Any:
         """``d y / d xs[k]`` by one pushforward per element of ``xs[k]``; shape ``y.shape + xs[k].shape``."""
         ar = _ar()
@@ -339,7 +347,10 @@ class Backend:
     def value_and_pullback(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, Callable]:
         """``(y, vjp)`` with ``vjp(dy) -> dx``; see :func:`abstractdiff.value_and_pullback`."""
         fn, xs, data = self.flatten(f, x, args)
-        y, _, vjp = self.flat_value_and_pullback(fn, xs, data) if self.has_reverse else self._pullback_from_forward(fn, xs, data)
+        if self.has_reverse:
+            y, _, vjp = self.flat_value_and_pullback(fn, xs, data)
+        else:
+            y, _, vjp = self._pullback_from_forward(fn, xs, data)
 
         def pullback(dy: Any) -> PyTree:
             return fn.unflatten_x(self.complete(vjp(self.cotangent(dy, y)), xs))
