@@ -355,6 +355,7 @@ class Backend:
         def pullback(dy: Any) -> PyTree:
             return fn.unflatten_x(self.complete(vjp(self.cotangent(dy, y)), xs))
 
+        pullback.f = f  # type: ignore[attr-defined]  # fn holds f weakly; a lazy vjp may still call it
         return y, pullback
 
     def _pullback_from_forward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
@@ -386,6 +387,7 @@ class Backend:
         def pushforward(dx: PyTree) -> Any:
             return jvp(self.tangents(fn, xs, dx))
 
+        pushforward.f = f  # type: ignore[attr-defined]  # fn holds f weakly; jvp calls it again
         return y, pushforward
 
     def _pushforward_from_reverse(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Callable]:

@@ -144,12 +144,13 @@ def _lookup(name: str) -> _Entry:
 
 def _resolve(name: str, entry: _Entry) -> Callable[..., Backend]:
     target = entry.target
-    if callable(target):
-        return target
-    module_name, _, attr = target.partition(":")
+    # Checked before a callable factory too: register_backend(requires=...) promises it.
     missing = _missing_module(entry)
     if missing is not None:
         raise BackendUnavailableError(_install_hint(name, entry, missing), name=missing)
+    if callable(target):
+        return target
+    module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

@@ -80,7 +80,7 @@ class FlatFunction:
     """
 
     __slots__ = (
-        "f",
+        "_f",
         "x_treedef",
         "args_treedef",
         "template",
@@ -103,7 +103,7 @@ class FlatFunction:
         n_x_leaves: int,
         has_aux: bool,
     ):
-        self.f = f
+        self._f = _weak_callable(f)
         self.x_treedef = x_treedef
         self.args_treedef = args_treedef
         self.template = template
@@ -112,6 +112,16 @@ class FlatFunction:
         self.n_x_leaves = n_x_leaves
         self.has_aux = has_aux
         self.cache: dict[Any, Any] = {}
+
+    @property
+    def f(self) -> Callable[..., Any]:
+        f = self._f()
+        if f is None:
+            raise ReferenceError(
+                "the function being differentiated was garbage collected; keep a reference to it "
+                "while its flat function is in use"
+            )
+        return f
 
     def rebuild(self, xs: list[Any], data: list[Any]) -> tuple[PyTree, tuple[Any, ...]]:
         """The ``(x, args)`` that ``f`` is called with, from flat leaves."""
@@ -147,7 +157,8 @@ class FlatFunction:
         return optree.tree_unflatten(self.x_treedef, leaves)
 
     def __repr__(self) -> str:
-        name = getattr(self.f, "__qualname__", repr(self.f))
+        f = self._f()
+        name = getattr(f, "__qualname__", repr(f))
         return f"FlatFunction({name}, x={self.x_treedef})"
 
 
@@ -161,6 +172,18 @@ def check_output(y: Any) -> Any:
         f"f must return an array (or a Python number), but it returned a "
         f"{type(y).__name__}; return one array, e.g. stack or sum the values"
     )
+
+
+def _weak_callable(f: Callable[..., Any]) -> Callable[[], Any]:
+    # The plan cache drops a function's entries when the function dies; a strong
+    # reference from the cached FlatFunction would keep it (and them) alive forever.
+    # Whoever keeps a FlatFunction beyond the call (a returned pullback) keeps f too.
+    try:
+        if getattr(f, "__self__", None) is not None and getattr(f, "__func__", None) is not None:
+            return weakref.WeakMethod(f)  # type: ignore[arg-type]
+        return weakref.ref(f)
+    except TypeError:  # not weak-referenceable: the cache does not store it either
+        return lambda: f
 
 
 class FunctionKey:
