@@ -1,0 +1,184 @@
+"""HIPS autograd: reverse mode by tracing numpy code on the CPU; no compilation.
+
+autograd re-traces the function on every call (there is nothing to cache), boxes the
+list of float leaves as one container, and differentiates through ``autograd.numpy``
+ops only; backend-neutral functions reach those through ``autoray``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable
+
+import autograd
+import numpy as np
+import optree
+from autograd.core import make_jvp, make_vjp
+from autograd.numpy.numpy_boxes import ArrayBox
+from autograd.tracer import Box
+
+from abstractdiff._backend import Backend, check_scalar, shape_of, size_of
+from abstractdiff._errors import DeviceError
+
+FlatFn = Callable[[list, list], tuple]
+
+_INDEPENDENT = "Output seems independent of input"
+_MISSING_JVP = re.compile(r"JVP of .* not defined")
+# What numpy says when it meets an ArrayBox it cannot use: np.array(box, dtype=float),
+# item assignment, float(box).
+_BOX_MISUSE = re.compile(r"ArrayBox|setting an array element with a sequence")
+_BOX_HINT = (
+    "autograd backend: f received autograd ArrayBox values (the traced inputs) and a plain "
+    "numpy operation could not handle them. Write f with autograd.numpy or autoray "
+    "(`from autoray import numpy as anp`) instead of numpy conversions such as "
+    "np.array(x, dtype=...) or float(x), and build arrays with anp.stack/anp.where: "
+    "autograd has no in-place assignment (x[i] = ...)."
+)
+
+
+def _cast(g: Any, like: Any) -> Any:
+    """``g`` with the dtype of ``like``: numpy upcasts float32 when mixed with float64 constants."""
+    if not isinstance(g, Box):
+        g = np.asarray(g)
+    return g if g.dtype == like.dtype else g.astype(like.dtype)
+
+
+class _Traced:
+    """``fn`` as autograd's unary function of the boxed list of float leaves.
+
+    Keeps ``aux`` and strips from it the boxes of this trace only, so that nested use
+    still sees the outer trace's boxes.
+    """
+
+    def __init__(self, backend: AutogradBackend, fn: FlatFn, data: list, n: int, scalar: str | None = None):
+        self.backend, self.fn, self.data, self.n, self.scalar = backend, fn, data, n, scalar
+        self.aux: Any = None
+
+    def __call__(self, boxed: Any) -> Any:
+        self.backend.trace_count += 1
+        xs = [boxed[i] for i in range(self.n)]
+        y, aux = self.fn(xs, self.data)
+        if self.scalar is not None:
+            check_scalar(y, self.scalar)
+        level = getattr(boxed, "_trace", None)
+        self.aux = optree.tree_map(
+            lambda a: a._value if isinstance(a, Box) and a._trace == level else a, aux, none_is_leaf=True
+        )
+        return y
+
+
+def _run(transform: Callable[[], Any]) -> Any:
+    """Run an autograd transform: silence its unconnected-output warning, hint at numpy misuse."""
+    try:
+        with warnings.catch_warnings():
+            # A constant output is legitimate here (the core fills zeros).
+            warnings.filterwarnings("ignore", message=_INDEPENDENT, category=UserWarning)
+            return transform()
+    except (TypeError, ValueError) as err:
+        if _BOX_MISUSE.search(str(err)) and _BOX_HINT not in getattr(err, "__notes__", ()):
+            err.add_note(_BOX_HINT)  # the user's exception itself, type unchanged
+        raise
+
+
+def _primal(y: Any) -> Any:
+    return y if isinstance(y, Box) else np.asarray(y)
+
+
+class AutogradBackend(Backend):
+    name = "autograd"
+    extra = "autograd"
+
+    def __init__(self, *, device: str | None = None, **options: Any):
+        if options:
+            raise TypeError(
+                f"autograd backend got unexpected option(s) {', '.join(map(repr, options))}; its only "
+                f"option is device='cpu' (autograd runs eagerly on the CPU: there is nothing to compile)"
+            )
+        super().__init__(device=device)
+        #: Python executions of ``f`` under autograd tracing (autograd traces every call).
+        self.trace_count = 0
+
+    def normalise_device(self, device: str | None) -> str:
+        if device is None or str(device).lower() in ("cpu", "cpu:0"):
+            return "cpu"
+        raise DeviceError(
+            f"autograd backend: device {device!r} is not available; autograd runs on the CPU only "
+            f"(numpy arrays). Available devices: cpu"
+        )
+
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, (np.ndarray, ArrayBox))
+
+    def asarray(self, a: Any, dtype: str | None = None) -> Any:
+        return np.asarray(a, dtype=dtype)
+
+    # ------------------------------------------------------------- primitives
+    def _trace_reverse(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
+        traced = _Traced(self, fn, data, len(xs), scalar)
+        vjp, y = _run(lambda: make_vjp(traced, list(xs)))
+        return _primal(y), traced.aux, vjp
+
+    def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
+        y, aux, vjp = self._trace_reverse(fn, xs, data, scalar)
+
+        def pullback(dy: Any) -> list:
+            return [_cast(g, x) for g, x in zip(_run(lambda: vjp(dy)), xs)]
+
+        return y, aux, pullback
+
+    def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list):
+        # autograd's forward mode re-runs f for each tangent, so the value comes from a
+        # plain call.  Some primitives (numpy.linalg) have no JVP rule: for them the
+        # tangent is a reverse-of-reverse product (vjp is linear in its cotangent, so
+        # the vjp of the vjp is the jvp), as autograd's make_jvp_reversemode does.
+        y, aux = _run(lambda: fn(xs, data))
+        y = _primal(y)
+        state = {"reverse": None}
+
+        def pushforward(ts: list) -> Any:
+            if state["reverse"] is None:
+                try:
+                    _, dy = _run(lambda: make_jvp(_Traced(self, fn, data, len(xs)), list(xs))(list(ts)))
+                    return _cast(dy, y)
+                except NotImplementedError as err:
+                    if not _MISSING_JVP.search(str(err)):
+                        raise
+                    _, _, vjp = self._trace_reverse(fn, xs, data)
+                    state["reverse"] = _run(lambda: make_vjp(vjp, np.zeros(shape_of(y), dtype=y.dtype))[0])
+            return _cast(_run(lambda: state["reverse"](list(ts))), y)
+
+        return y, aux, pushforward
+
+    # ------------------------------------------------------ fast overrides
+    def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list):
+        # The scalar check runs inside the trace, before autograd's own (a TypeError).
+        y, aux, vjp = self.flat_value_and_pullback(fn, xs, data, scalar="gradient")
+        return y, aux, vjp(np.ones((), dtype=y.dtype))
+
+    def flat_jacobian(self, fn: FlatFn, xs: list, data: list):
+        # autograd.jacobian's route (one trace, one vjp per basis row of y, stacked),
+        # extended to a list of leaves and returning y.
+        y, _, vjp = self.flat_value_and_pullback(fn, xs, data)
+        basis = np.eye(size_of(y), dtype=y.dtype).reshape((size_of(y),) + shape_of(y))
+        rows = [vjp(e) for e in basis]
+        jacs = []
+        for k, x in enumerate(xs):
+            shape = shape_of(y) + shape_of(x)
+            if rows:
+                jacs.append(autograd.numpy.reshape(autograd.numpy.stack([r[k] for r in rows]), shape))
+            else:
+                jacs.append(np.zeros(shape, dtype=x.dtype))
+        return y, jacs
+
+    def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
+        (x,) = xs
+        traced = _Traced(self, fn, data, 1, scalar="hessian")
+        h = _run(lambda: autograd.hessian(lambda v: traced([v]))(x))
+        return _cast(h, x)
+
+    def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+        # make_hvp: the vjp of the gradient (reverse-over-reverse); H is symmetric.
+        traced = _Traced(self, fn, data, len(xs), scalar="hvp")
+        hvp, _ = _run(lambda: autograd.make_hvp(traced)(list(xs)))
+        return [_cast(h, x) for h, x in zip(_run(lambda: hvp(list(tangents))), xs)]
