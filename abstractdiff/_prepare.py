@@ -35,6 +35,7 @@ class _Prepared:
         self.has_aux = has_aux
         fn, xs, data = self.backend.flatten(f, x, args, has_aux)
         self.fn: FlatFunction = fn
+        self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
         self.n_x = fn.n_x_leaves
         self.diff_index = fn.diff_index
         self.data_index = fn.data_index
