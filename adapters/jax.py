@@ -1,0 +1,275 @@
+"""JAX adapter: ``jax.vjp``/``jax.jvp`` as primitives, ``jit``-compiled and cached per flat function.
+
+Two jax habits shape this module:
+
+* x64 is off by default and float64 silently becomes float32.  The global
+  ``jax_enable_x64`` flag is never touched; every call (conversion, transforms and the
+  closures handed back) runs under a scoped ``jax.enable_x64(True)`` when an input is
+  float64, and the compiled variants are cached per x64 mode.
+* ``jit`` retraces for a new function object.  Compiled transforms are therefore built
+  once per cached :class:`~abstractdiff._tree.FlatFunction` and kept on ``fn.cache``;
+  the differentiated leaves and the data are traced arguments, so new data values of
+  the same shapes reuse the compiled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._errors import DeviceError, TracedControlFlowError
+
+_WIDE = (np.dtype("float64"), np.dtype("complex128"))
+# jax raises these when Python needs a concrete value (bool(), int(), float()) of a tracer.
+_CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
+
+
+def _wants_x64(*groups: list) -> bool:
+    return any(getattr(a, "dtype", None) in _WIDE for group in groups for a in group)
+
+
+def _signature(xs: list, data: list) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in (*xs, *data))
+
+
+def _platform_devices(platform: str) -> list[Any]:
+    try:
+        return list(jax.devices(platform))
+    except RuntimeError:  # no backend for that platform here
+        return []
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    extra = "jax"
+
+    def __init__(self, *, device: str | None = None, compile: bool = True):
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
+        super().__init__(device=device, compile=compile)
+        self.compile = compile
+        self._device = self._device_object(self.device)
+        self._default_device = self._device != jax.devices()[0]
+        #: Python executions of user functions under this backend's transforms; a
+        #: compiled call that reuses its trace leaves it unchanged (tests count retraces).
+        self.trace_count = 0
+
+    # ---------------------------------------------------------------- devices
+    def devices(self) -> list[str]:
+        names = ["cpu"]
+        for platform, prefix in (("gpu", "cuda"), ("tpu", "tpu")):
+            names += [f"{prefix}:{i}" for i in range(len(_platform_devices(platform)))]
+        return names
+
+    def normalise_device(self, device: str | None) -> str:
+        if device is None:
+            return "cpu"
+        name = str(device).lower().replace("gpu", "cuda")
+        if name in ("cuda", "tpu"):
+            name += ":0"
+        available = self.devices()
+        if name in available:
+            return name
+        raise DeviceError(
+            f"jax backend: device {device!r} is not available here; available devices: "
+            f"{', '.join(available)} (jax sees {jax.devices()})"
+        )
+
+    @staticmethod
+    def _device_object(name: str) -> Any:
+        if name == "cpu":
+            return jax.devices("cpu")[0]
+        prefix, _, index = name.partition(":")
+        return _platform_devices("gpu" if prefix == "cuda" else prefix)[int(index)]
+
+    @contextlib.contextmanager
+    def _scope(self, x64: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if x64:
+                stack.enter_context(jax.enable_x64(True))
+            if self._default_device:
+                stack.enter_context(jax.default_device(self._device))
+            try:
+                yield
+            except _CONCRETE_ERRORS as err:
+                raise TracedControlFlowError(self._control_flow_message(err)) from err
+
+    def _control_flow_message(self, err: Exception) -> str:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if self.compile:
+            fix = (
+                "pass compile=False (ad.backend('jax', compile=False)): un-jitted jax transforms "
+                "allow comparisons such as `if x.sum() > 0`, though not float()/int() of a "
+                "traced value; or replace the branch with jnp.where / jax.lax.cond"
+            )
+        else:
+            fix = (
+                "jax transforms allow comparisons such as `if x.sum() > 0` without jit, but not "
+                "float()/int()/.item() of a traced value: keep the value as an array and use "
+                "jnp.where / jax.lax.cond"
+            )
+        return f"f used a traced jax value where Python needs a concrete number ({type(err).__name__}: {first}); {fix}"
+
+    # ---------------------------------------------------------------- arrays
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, (jax.Array, jax.core.Tracer))
+
+    def asarray(self, a: Any, dtype: str | None = None) -> Any:
+        a = np.asarray(a, dtype=dtype)
+        with self._scope(a.dtype in _WIDE):
+            return jax.device_put(a, self._device)
+
+    def zeros_like(self, a: Any) -> Any:
+        with self._scope(_wants_x64([a])):
+            return jnp.zeros_like(a)
+
+    def ones_like(self, a: Any) -> Any:
+        with self._scope(_wants_x64([a])):
+            return jnp.ones_like(a)
+
+    # ------------------------------------------------------------ compilation
+    def _traced(self, fn: Any, operator: str | None = None) -> Callable:
+        """``fn`` with the scalar check (at trace time, before jax's own) and a trace count.
+
+        jit can only return arrays, so aux leaves that are not jax arrays (ints, strings,
+        numpy constants) are kept here at trace time, per input signature, and put back by
+        :meth:`_aux`: aux comes back unchanged.
+        """
+        statics = self._aux_statics(fn, operator)
+
+        def call(xs: list, data: list) -> tuple[Any, Any]:
+            self.trace_count += 1
+            y, aux = fn(xs, data)
+            if operator is not None:
+                check_scalar(y, operator)
+            if aux is not None:
+                leaves, treedef = jax.tree_util.tree_flatten(aux)
+                dynamic = [isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves]
+                static = [None if d else v for v, d in zip(leaves, dynamic)]
+                statics[_signature(xs, data)] = (treedef, dynamic, static)
+                aux = [v for v, d in zip(leaves, dynamic) if d]
+            return jnp.asarray(y), aux
+
+        return call
+
+    @staticmethod
+    def _aux_statics(fn: Any, operator: str | None) -> dict:
+        cache = getattr(fn, "cache", None)
+        return {} if cache is None else cache.setdefault(("jax", "aux", operator), {})
+
+    def _aux(self, fn: Any, operator: str | None, xs: list, data: list, aux: Any) -> Any:
+        if aux is None:
+            return None
+        treedef, dynamic, static = self._aux_statics(fn, operator)[_signature(xs, data)]
+        values = iter(aux)
+        return jax.tree_util.tree_unflatten(treedef, [next(values) if d else v for d, v in zip(dynamic, static)])
+
+    def _compiled(self, fn: Any, operator: str, x64: bool, build: Callable[[], Callable]) -> Callable:
+        cache = getattr(fn, "cache", None)
+        if cache is None:  # a plain callable (not from the core): nothing to keep it on
+            return jax.jit(build()) if self.compile else build()
+        key = ("jax", operator, x64, self.compile)
+        compiled = cache.get(key)
+        if compiled is None:
+            compiled = jax.jit(build()) if self.compile else build()
+            cache[key] = compiled
+        return compiled
+
+    # ------------------------------------------------------------- primitives
+    def flat_value_and_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn)
+            return lambda xs, data: jax.vjp(lambda xs: traced(xs, data), xs, has_aux=True)
+
+        forward = self._compiled(fn, "pullback", x64, build)
+        backward = self._compiled(fn, "pullback_apply", x64, lambda: lambda pb, dy: pb(dy)[0])
+        with self._scope(x64):
+            y, pb, aux = forward(xs, data)
+
+        def vjp(dy: Any) -> list:
+            with self._scope(x64):
+                return list(backward(pb, dy))
+
+        return y, self._aux(fn, None, xs, data, aux), vjp
+
+    def flat_value_and_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn)
+            return lambda xs, data: jax.linearize(lambda xs: traced(xs, data), xs, has_aux=True)
+
+        forward = self._compiled(fn, "pushforward", x64, build)
+        apply = self._compiled(fn, "pushforward_apply", x64, lambda: lambda lin, ts: lin(ts))
+        with self._scope(x64):
+            y, lin, aux = forward(xs, data)
+
+        def jvp(ts: list) -> Any:
+            with self._scope(x64):
+                return apply(lin, list(ts))
+
+        return y, self._aux(fn, None, xs, data, aux), jvp
+
+    # ---------------------------------------------- fast derived operators
+    def flat_value_and_gradient(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, list]:
+        x64 = _wants_x64(xs, data)
+        compiled = self._compiled(
+            fn, "value_and_gradient", x64, lambda: jax.value_and_grad(self._traced(fn, "gradient"), has_aux=True)
+        )
+        with self._scope(x64):
+            (y, aux), grads = compiled(xs, data)
+        return y, self._aux(fn, "gradient", xs, data, aux), grads
+
+    def flat_jacobian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list]:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn)
+
+            def jacobian(xs: list, data: list) -> tuple[Any, list]:
+                def value(xs: list) -> tuple[Any, Any]:
+                    y = traced(xs, data)[0]
+                    return y, y
+
+                n_out = jax.eval_shape(lambda xs: traced(xs, data)[0], xs).size
+                n_in = sum(x.size for x in xs)
+                transform = jax.jacrev if n_out <= n_in else jax.jacfwd
+                jacs, y = transform(value, has_aux=True)(xs)
+                return y, jacs
+
+            return jacobian
+
+        compiled = self._compiled(fn, "jacobian", x64, build)
+        with self._scope(x64):
+            y, jacs = compiled(xs, data)
+        return y, list(jacs)
+
+    def flat_hessian(self, fn: Callable, xs: list, data: list) -> Any:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn, "hessian")
+            return lambda x, data: jax.jacfwd(jax.jacrev(lambda x: traced([x], data)[0]))(x)
+
+        compiled = self._compiled(fn, "hessian", x64, build)
+        with self._scope(x64):
+            return compiled(xs[0], data)
+
+    def flat_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> list:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn, "hvp")
+            grad = jax.grad(lambda xs, data: traced(xs, data)[0])
+            return lambda xs, data, ts: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))[1]
+
+        compiled = self._compiled(fn, "hvp", x64, build)
+        with self._scope(x64):
+            return list(compiled(xs, data, list(tangents)))
