@@ -1,0 +1,245 @@
+"""``train_step`` and ``train``: one loop for explicit models and implicit variables.
+
+The for loop a user writes around :func:`train_step` is the first-class API; :func:`train`
+is a thin convenience over it (epochs, callbacks, a progress bar), returning the updated
+``(state, model)`` as Optimisers.jl does.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterable, NamedTuple
+
+import optree
+
+from . import optim
+from ._backend import Backend
+from ._convert import to_numpy
+from ._errors import ModeMismatchError, NonFiniteError
+from ._registry import backend as _get_backend
+from ._tree import is_array
+
+__all__ = ["StepInfo", "train", "train_step"]
+
+
+class StepInfo(NamedTuple):
+    """What a :func:`train` callback receives after every step.
+
+    ``epoch`` counts from 0, ``step`` is the global step number counting from 1 (the
+    optimiser's ``state.step``), ``loss`` the step's loss as a Python float (computed
+    once, before the update), ``model`` and ``state`` the values after the update.
+    """
+
+    epoch: int
+    step: int
+    loss: float
+    model: Any
+    state: optim.OptState
+
+
+def _ar() -> Any:
+    import autoray
+
+    return autoray
+
+
+def _is_implicit(b: Backend) -> bool:
+    return bool(getattr(b, "implicit", False)) or type(b).__name__ == "Implicit"
+
+
+def _inner(b: Backend) -> Backend:
+    return getattr(b, "inner", b)
+
+
+def _convert_tree(b: Backend, tree: Any) -> Any:
+    """Numpy (or other foreign) array leaves as ``b``'s native arrays; everything else as is."""
+    return optree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
+
+
+def _as_batch(batch: Any) -> tuple:
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def _all_finite(loss: Any, grads: list) -> bool:
+    """One synchronisation: ``a * 0`` is 0 where ``a`` is finite and NaN elsewhere, and a
+    sum of zeros cannot overflow (unlike a sum of the values themselves)."""
+    ar = _ar()
+    total = loss * 0
+    for g in grads:
+        if g is not None:
+            total = total + ar.do("sum", g * 0)
+    return float(to_numpy(total)) == 0.0
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    model: Any,
+    batch: Any,
+    state: optim.OptState,
+    *,
+    backend: Backend | str,
+) -> tuple[optim.OptState, Any, Any]:
+    """One optimisation step: ``train_step(loss_fn, model, batch, state, backend=b) -> (state, model, loss)``.
+
+    ``loss_fn(model, *batch)`` returns a scalar.  With an explicit backend, ``model`` is
+    a pytree of arrays (numpy leaves are converted to the backend's arrays), the
+    gradient is taken with respect to it, and new arrays are returned.  With
+    ``ad.Implicit(b)``, ``model`` holds variables (an ``nn.Module``, a Keras model,
+    ``ad.variables(...)``), which are updated in place; the same ``model`` is returned.
+    ``loss`` is the loss before the update, a native scalar.
+
+    Raises:
+        NonFiniteError: the loss or a gradient is NaN or infinite; nothing was applied,
+            and the error carries the last good ``state`` and ``model`` and the step number.
+        ModeMismatchError: variables passed to an explicit backend, or the reverse.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> from abstractdiff import optim
+        >>> loss = lambda m, x: ((m["w"] - x) ** 2).sum()
+        >>> model = {"w": np.zeros(2)}
+        >>> state = optim.setup(optim.Descent(0.25), model)
+        >>> state, model, value = ad.train_step(loss, model, (np.ones(2),), state, backend="finite_differences")
+        >>> float(value), np.round(model["w"], 6)
+        (2.0, array([0.5, 0.5]))
+    """
+    b = backend if isinstance(backend, Backend) else _get_backend(backend)
+    if not isinstance(state, optim.OptState):
+        raise TypeError(
+            f"train_step: state must be the OptState from optim.setup(rule, model), got {type(state).__name__}"
+        )
+    batch = _as_batch(batch)
+    step = state.step + 1
+    if _is_implicit(b):
+        if not state.implicit:
+            raise ModeMismatchError(
+                f"train_step: {b!r} trains variables in place, but the state was set up for a pytree "
+                f"of arrays; pass a model holding variables (an nn.Module, a Keras model, "
+                f"ad.variables(...)) to optim.setup and train_step, or use the explicit backend {_inner(b)!r}"
+            )
+        batch = _convert_tree(_inner(b), batch)
+        params = optim.params_of(model)
+        loss, grads = b.value_and_gradient(lambda: loss_fn(model, *batch), params)
+        if not _all_finite(loss, [grads[p] for p in params]):
+            raise NonFiniteError(
+                f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was "
+                f"applied, the variables hold the values after step {step - 1}. Lower the learning "
+                f"rate, add optim.ClipNorm, or check the data of this batch",
+                state=state,
+                model=model,
+                step=step,
+            )
+        state, model = optim.update(state, model, grads)
+        return state, model, loss
+    if state.implicit or optim.holds_variables(model):
+        raise ModeMismatchError(
+            f"train_step: the model holds variables (an nn.Module, a Keras model or ad.variables) "
+            f"but {b!r} is explicit; use ad.Implicit({b.name!r}) to train variables in place, or "
+            f"pass a pytree of arrays as the model and set the state up for it"
+        )
+    model = _convert_tree(b, model)
+    state = state._replace(tree=_convert_tree(b, state.tree))
+    loss, grads = b.value_and_gradient(loss_fn, model, *batch)
+    if not _all_finite(loss, optree.tree_leaves(grads)):
+        raise NonFiniteError(
+            f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was applied, "
+            f"the error's .model and .state are the values after step {step - 1}. Lower the "
+            f"learning rate, add optim.ClipNorm, or check the data of this batch",
+            state=state,
+            model=model,
+            step=step,
+        )
+    state, model = optim.update(state, model, grads)
+    return state, model, loss
+
+
+class _Progress:
+    """A tqdm bar with the running loss if tqdm is installed, else one stderr line per epoch."""
+
+    def __init__(self, enabled: bool, total: int | None, epochs: int):
+        self.enabled, self.epochs, self.bar = enabled, epochs, None
+        self.running: float | None = None
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, desc="train", unit="step", leave=True)
+
+    def step(self, epoch: int, loss: float) -> None:
+        # An exponential moving average: a readable trend rather than one batch's noise.
+        self.running = loss if self.running is None else 0.9 * self.running + 0.1 * loss
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(epoch=epoch + 1, loss=f"{self.running:.4g}", refresh=False)
+
+    def end_epoch(self, epoch: int, steps: int) -> None:
+        if self.enabled and self.bar is None and self.running is not None:
+            print(
+                f"epoch {epoch + 1}/{self.epochs}: step {steps}, running loss {self.running:.4g}",
+                file=sys.stderr,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(
+    loss_fn: Callable[..., Any],
+    model: Any,
+    data: Iterable[Any],
+    state: optim.OptState,
+    *,
+    backend: Backend | str,
+    epochs: int = 1,
+    callbacks: Iterable[Callable[[StepInfo], Any]] = (),
+    progress: bool = True,
+) -> tuple[optim.OptState, Any]:
+    """Train for ``epochs`` passes over ``data``: ``train(loss_fn, model, data, state, backend=b) -> (state, model)``.
+
+    A thin loop over :func:`train_step`.  ``data`` is an iterable of batches, each a
+    tuple of arrays passed as ``loss_fn(model, *batch)``; it must be re-iterable (a
+    list, a dataset, not a generator) when ``epochs > 1``.  After every step each
+    callback is called as ``callback(info)`` with a :class:`StepInfo` (epoch, step,
+    loss, model, state); a callback returning ``False`` (not just a falsy value) stops
+    training after that step.  ``progress=True`` shows a tqdm bar with the running loss
+    when tqdm is installed, else a line per epoch on stderr; ``progress=False`` prints
+    nothing.
+
+    Raises:
+        NonFiniteError: see :func:`train_step`; ``err.model``/``err.state`` hold
+            everything learned before the failing step.
+    """
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
+        raise ValueError(f"train: epochs must be an int >= 0, got {epochs!r}")
+    if epochs > 1 and iter(data) is data:
+        raise TypeError(
+            "train: data is a one-shot iterator (e.g. a generator), which would be empty after the "
+            "first epoch; pass a list of batches or another re-iterable collection, or call train "
+            "once per epoch"
+        )
+    callbacks = tuple(callbacks)
+    try:
+        total = len(data) * epochs  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    bar = _Progress(progress, total, epochs)
+    try:
+        for epoch in range(epochs):
+            for batch in data:
+                state, model, loss = train_step(loss_fn, model, batch, state, backend=backend)
+                value = float(to_numpy(loss))
+                bar.step(epoch, value)
+                info = StepInfo(epoch, state.step, value, model, state)
+                stop = False
+                for callback in callbacks:
+                    if callback(info) is False:
+                        stop = True
+                if stop:
+                    return state, model
+            bar.end_epoch(epoch, state.step)
+    finally:
+        bar.close()
+    return state, model
