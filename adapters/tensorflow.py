@@ -1,0 +1,236 @@
+"""TensorFlow: ``tf.GradientTape`` (reverse), ``tf.autodiff.ForwardAccumulator`` (forward).
+
+Each operator has one body written for a tape; with ``compile=True`` (the default) the
+body runs inside a ``tf.function`` cached on the flat function's ``cache``, otherwise
+eagerly.  When the inputs are already symbolic (an abstractdiff operator called inside a
+function that TensorFlow is tracing) the body runs directly in that graph: nested tapes
+then differentiate through it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import numpy as np
+import optree
+import tensorflow as tf
+
+from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._errors import DeviceError, TracedControlFlowError
+
+_ZERO = tf.UnconnectedGradients.ZERO
+_DEVICE = re.compile(r"^(cpu|gpu|cuda)(?::(\d+))?$")
+
+
+def _is_array(leaf: Any) -> bool:
+    # what a tf.function returns as a tensor; a tf.Variable in aux is handed back as itself
+    return isinstance(leaf, (tf.Tensor, np.ndarray, np.generic))
+
+
+def _signature(*groups: list) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for group in groups for t in group)
+
+
+def _traced_value_error(err: BaseException) -> TracedControlFlowError | None:
+    """Our error for a tf error that only happens because f is being traced, else None."""
+    message = str(err)
+    if isinstance(err, tf.errors.OperatorNotAllowedInGraphError) or (
+        isinstance(err, (TypeError, NotImplementedError, AttributeError))
+        and ("SymbolicTensor" in message or "symbolic tf.Tensor" in message)
+    ):
+        return TracedControlFlowError(
+            f"f used a traced TensorFlow value as a concrete Python value (an if/while on a "
+            f"tensor, float(), .numpy() or a numpy call) while compiled with tf.function: "
+            f"{type(err).__name__}: {message.split('. ')[0].strip()}. Pass "
+            f"compile=False (ad.backend('tensorflow', compile=False)) to run eagerly, or "
+            f"write the branch with tf.where / autoray's where"
+        )
+    return None
+
+
+def _watched(tape: tf.GradientTape, xs: list) -> list:
+    tape.watch(xs)
+    return xs
+
+
+class TensorFlowBackend(Backend):
+    name = "tensorflow"
+    extra = "tensorflow"
+
+    def __init__(self, *, device: str | None = None, compile: bool = True):
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
+        super().__init__(device=device, compile=compile)
+        self.compile = compile
+        index = self.device.partition(":")[2]
+        self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{index}"
+        #: Number of times a tf.function body was traced (tests assert it stays put).
+        self.trace_count = 0
+
+    # ---------------------------------------------------------------- devices
+    def devices(self) -> list[str]:
+        gpus = [d for d in tf.config.list_logical_devices() if d.device_type == "GPU"]
+        return ["cpu"] + [f"gpu:{i}" for i in range(len(gpus))]
+
+    def normalise_device(self, device: str | None) -> str:
+        if device is None:
+            return "cpu"
+        match = _DEVICE.match(str(device).strip().lower())
+        available = self.devices()
+        if match is not None:
+            kind, index = match.groups()
+            name = "cpu" if kind == "cpu" and index in (None, "0") else f"gpu:{index or 0}"
+            if kind != "cpu" and name in available:
+                return name
+            if name == "cpu":
+                return name
+        raise DeviceError(
+            f"tensorflow backend: device {device!r} is not available here; available devices: "
+            f"{', '.join(available)} (spell a GPU 'gpu', 'cuda', 'gpu:N' or 'cuda:N')"
+        )
+
+    # ---------------------------------------------------------------- arrays
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, (tf.Tensor, tf.Variable))
+
+    def asarray(self, a: Any, dtype: str | None = None) -> Any:
+        with tf.device(self.tf_device):
+            t = tf.convert_to_tensor(np.asarray(a, dtype=dtype))
+            # Eager constants are created on the host; identity copies them to the device.
+            return t if self.device == "cpu" else tf.identity(t)
+
+    # ---------------------------------------------------------------- running
+    def _run(self, fn: Any, kind: str, body: Callable, *groups: list) -> tuple:
+        """``body(fn, *groups) -> (outputs, aux)``, compiled and cached on ``fn.cache``."""
+        if not (self.compile and tf.executing_eagerly()):
+            with tf.device(self.tf_device):
+                return body(fn, *groups)
+        cache = getattr(fn, "cache", None)
+        if cache is None:
+            cache = {}
+        entry = cache.get(("tensorflow", kind))
+        if entry is None:
+            entry = cache[("tensorflow", kind)] = self._compiled(fn, body)
+        compiled, statics = entry
+        try:
+            with tf.device(self.tf_device):
+                outputs, aux_arrays = compiled(*groups)
+        except Exception as err:
+            mapped = _traced_value_error(err)
+            if mapped is None:
+                raise
+            raise mapped from err
+        # tf.function can only return tensors: aux's other leaves (ints, strings,
+        # variables) were set aside at trace time, per input signature.
+        treedef, template, where = statics[_signature(*groups)]
+        leaves = list(template)
+        for i, a in zip(where, aux_arrays):
+            leaves[i] = a
+        return outputs, optree.tree_unflatten(treedef, leaves)
+
+    def _compiled(self, fn: Any, body: Callable) -> tuple:
+        statics: dict = {}
+
+        def traced(*groups: list) -> tuple:
+            self.trace_count += 1
+            outputs, aux = body(fn, *groups)
+            leaves, treedef = optree.tree_flatten(aux)
+            where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+            template = [None if i in where else leaf for i, leaf in enumerate(leaves)]
+            statics[_signature(*groups)] = (treedef, template, where)
+            return outputs, [leaves[i] for i in where]
+
+        # autograph off: it would silently rewrite some Python control flow on tensors and
+        # not other, where jax and torch.compile reject it; one rule for every backend.
+        return tf.function(traced, autograph=False), statics
+
+    # ----------------------------------------------------------- bodies
+    @staticmethod
+    def _call(fn: Any, xs: list, data: list) -> tuple:
+        y, aux = fn(xs, data)
+        return tf.convert_to_tensor(y), aux
+
+    def _value(self, fn: Any, xs: list, data: list) -> tuple:
+        return self._call(fn, xs, data)
+
+    def _gradient(self, fn: Any, xs: list, data: list) -> tuple:
+        with tf.GradientTape() as tape:
+            y, aux = self._call(fn, _watched(tape, xs), data)
+            check_scalar(y)  # at trace time, before the tape is asked
+        return (y, tape.gradient(y, xs, unconnected_gradients=_ZERO)), aux
+
+    def _vjp(self, fn: Any, xs: list, data: list, dy: list) -> tuple:
+        with tf.GradientTape() as tape:
+            y, _ = self._call(fn, _watched(tape, xs), data)
+        return tape.gradient(y, xs, output_gradients=dy[0], unconnected_gradients=_ZERO), None
+
+    def _jvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
+        with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
+            y, _ = self._call(fn, xs, data)
+        return acc.jvp(y, unconnected_gradients=_ZERO), None
+
+    def _jacobian(self, fn: Any, xs: list, data: list) -> tuple:
+        with tf.GradientTape() as tape:
+            y, _ = self._call(fn, _watched(tape, xs), data)
+        return (y, tape.jacobian(y, xs, unconnected_gradients=_ZERO)), None
+
+    def _hessian(self, fn: Any, xs: list, data: list) -> tuple:
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                y, _ = self._call(fn, _watched(inner, _watched(outer, xs)), data)
+                check_scalar(y, "hessian")
+            (g,) = inner.gradient(y, xs, unconnected_gradients=_ZERO)
+        return outer.jacobian(g, xs[0], unconnected_gradients=_ZERO), None
+
+    def _hvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
+        # forward-over-reverse: one gradient pass carrying a tangent
+        with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
+            with tf.GradientTape() as tape:
+                y, _ = self._call(fn, _watched(tape, xs), data)
+                check_scalar(y, "hvp")
+            grads = tape.gradient(y, xs, unconnected_gradients=_ZERO)
+        return [acc.jvp(g, unconnected_gradients=_ZERO) for g in grads], None
+
+    # ------------------------------------------------------- flat operators
+    def flat_value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:
+        if not (self.compile and tf.executing_eagerly()):
+            # A persistent tape answers any number of pullbacks (the core's jacobian
+            # asks one per output element) without running f again.
+            with tf.device(self.tf_device), tf.GradientTape(persistent=True) as tape:
+                y, aux = self._call(fn, _watched(tape, xs), data)
+
+            def vjp(dy: Any) -> list:
+                with tf.device(self.tf_device):
+                    return tape.gradient(y, xs, output_gradients=dy, unconnected_gradients=_ZERO)
+
+            return y, aux, vjp
+        # Compiled: tf.function cannot hand back a tape, so each pullback reruns f
+        # with its tape inside one compiled call.
+        y, aux = self._run(fn, "value", self._value, xs, data)
+
+        def compiled_vjp(dy: Any) -> list:
+            return self._run(fn, "vjp", self._vjp, xs, data, [dy])[0]
+
+        return y, aux, compiled_vjp
+
+    def flat_value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
+        y, aux = self._run(fn, "value", self._value, xs, data)
+
+        def jvp(ts: list) -> Any:
+            return self._run(fn, "jvp", self._jvp, xs, data, ts)[0]
+
+        return y, aux, jvp
+
+    def flat_value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple:
+        (y, grads), aux = self._run(fn, "gradient", self._gradient, xs, data)
+        return y, aux, grads
+
+    def flat_jacobian(self, fn: Any, xs: list, data: list) -> tuple:
+        return self._run(fn, "jacobian", self._jacobian, xs, data)[0]
+
+    def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:
+        return self._run(fn, "hessian", self._hessian, xs, data)[0]
+
+    def flat_hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
+        return self._run(fn, "hvp", self._hvp, xs, data, tangents)[0]
