@@ -56,7 +56,8 @@ class FiniteDifferencesBackend(Backend):
             y, _ = fn(xs, data)
             return np.zeros_like(np.asarray(y))
         h = self._relative_step(dtype, order) * scale / t_norm
-        values = [fn([(x + (k * h) * t).astype(x.dtype) for x, t in zip(xs, ts)], data)[0] for k in _OFFSETS]
+        # np.asarray: on a 0-d array, x + h t is a numpy scalar, not an array.
+        values = [fn([np.asarray(x + (k * h) * t, dtype=x.dtype) for x, t in zip(xs, ts)], data)[0] for k in _OFFSETS]
         return (_stencil(values) / h).astype(np.result_type(np.asarray(values[0]).dtype, dtype))
 
     def _jacobian_matrices(self, fn: Callable, xs: list, data: list, y: Any, order: int = 1) -> list:
@@ -76,7 +77,7 @@ class FiniteDifferencesBackend(Backend):
         h = self._relative_step(x.dtype, order) * max(1.0, abs(float(x.reshape(-1)[j])))
         values = []
         for offset in _OFFSETS:
-            moved = x.copy()
+            moved = np.array(x, copy=True)  # an ndarray, so that reshape(-1) below is a view
             moved.reshape(-1)[j] += offset * h
             values.append(fn(xs[:k] + [moved] + xs[k + 1 :], data)[0])
         return _stencil(values) / h
