@@ -1,0 +1,270 @@
+"""Checkpoints of ``(state, model)``: one ``.npz`` file, no pickle, written atomically.
+
+Format: a numpy ``.npz`` archive (saved and loaded with ``allow_pickle=False``) holding
+one array per array leaf (``leaf0``, ``leaf1``...) and ``__abstractdiff__``, a JSON
+description (as bytes) of every leaf: its tree path, kind, dtype and shape, and the
+value of Python scalars such as the step counter.  Numpy's own format needs no extra
+dependency (safetensors would be one, and cannot store the Python scalars or the tree
+without a side channel either); with ``allow_pickle=False`` numpy refuses object
+arrays, so a crafted file cannot run code when loaded.
+
+Loading validates the whole file against ``like`` before anything is converted or
+assigned, so a truncated or mismatched file raises :class:`CheckpointError` and never
+half-loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import zipfile
+from typing import Any
+
+import numpy as np
+import optree
+
+from . import optim
+from ._convert import to_numpy
+from ._errors import CheckpointError
+from ._tree import is_array
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+FORMAT = "abstractdiff-checkpoint"
+VERSION = 1
+META = "__abstractdiff__"
+
+
+def _ar() -> Any:
+    import autoray
+
+    return autoray
+
+
+class _Leaf:
+    """One leaf of ``(state, model)``: its path, current value, and variable (if any)."""
+
+    __slots__ = ("path", "value", "variable")
+
+    def __init__(self, path: str, value: Any, variable: Any = None):
+        self.path, self.value, self.variable = path, value, variable
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
+    """The leaves of ``(state, model)``, the treedef to rebuild them, and whether the
+    model holds variables (whose values are then the model's leaves, in Params order)."""
+    if not isinstance(state, optim.OptState):
+        raise TypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
+    implicit = optim.holds_variables(model)
+    paths, values, treedef = optree.tree_flatten_with_path(state)
+    leaves = [_Leaf("state/" + _path_str(p), v) for p, v in zip(paths, values)]
+    if implicit:
+        for i, var in enumerate(optim.params_of(model)):
+            leaves.append(_Leaf(f"model/variable{i}", optim.read(var), var))
+    else:
+        paths, values, _ = optree.tree_flatten_with_path(model)
+        leaves += [_Leaf("model/" + _path_str(p), v) for p, v in zip(paths, values)]
+    return leaves, treedef, implicit
+
+
+def _dtype_name(a: Any) -> str:
+    return _ar().get_dtype_name(a)
+
+
+def _describe(leaf: _Leaf, index: int) -> dict[str, Any]:
+    v = leaf.value
+    if is_array(v):
+        return {"path": leaf.path, "kind": "array", "key": f"leaf{index}", "dtype": _dtype_name(v),
+                "shape": [int(d) for d in v.shape]}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return {"path": leaf.path, "kind": "value", "type": type(v).__name__, "value": v}
+    # The rule and other objects are not stored: they come back from ``like``.
+    return {"path": leaf.path, "kind": "object", "type": f"{type(v).__module__}.{type(v).__qualname__}",
+            "repr": repr(v)}
+
+
+def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) -> None:
+    """Write ``(state, model)`` to one file at ``path``, atomically.
+
+    ``save_checkpoint(path, state, model) -> None``.  The file is first written to a
+    temporary file in the same directory and then renamed over ``path``
+    (``os.replace``), so a crash never leaves a half-written checkpoint behind.  Works
+    for explicit models (pytrees of arrays) and models holding variables.  The rule
+    itself is not stored: it comes from ``like`` when loading.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np, tempfile, os
+        >>> from abstractdiff import optim
+        >>> model = {"w": np.ones(3)}
+        >>> state = optim.setup(optim.Adam(), model)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
+        >>> ad.save_checkpoint(path, state, model)
+        >>> state2, model2 = ad.load_checkpoint(path, like=(state, model))
+        >>> model2["w"], state2.step
+        (array([1., 1., 1.]), 0)
+    """
+    leaves, _, _ = _leaves(state, model)
+    meta = {"format": FORMAT, "version": VERSION, "leaves": [_describe(leaf, i) for i, leaf in enumerate(leaves)]}
+    arrays: dict[str, np.ndarray] = {}
+    for entry, leaf in zip(meta["leaves"], leaves):
+        if entry["kind"] == "array":
+            a = np.ascontiguousarray(to_numpy(leaf.value))
+            if a.dtype == object:
+                raise CheckpointError(f"{entry['path']}: object arrays cannot be stored in a checkpoint")
+            arrays[entry["key"]] = a
+    arrays[META] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    try:
+        # "xb": a fresh file, created with the user's umask (unlike mkstemp's 0600).
+        with open(tmp, "xb") as f:
+            np.savez(f, allow_pickle=False, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Metadata and every array of the file, read fully (so truncation shows up here)."""
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise CheckpointError(
+            f"{path}: not a readable abstractdiff checkpoint ({err}); it may be truncated, or not "
+            f"written by ad.save_checkpoint (pickled files are refused, by design)"
+        ) from err
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise CheckpointError(f"{path}: a single .npy array, not an abstractdiff checkpoint (.npz written by "
+                              f"ad.save_checkpoint)")
+    with loaded:
+        try:
+            arrays = {name: loaded[name] for name in loaded.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
+            raise CheckpointError(
+                f"{path}: an entry cannot be read ({err}); the file is truncated or corrupt, or holds "
+                f"pickled objects, which are refused"
+            ) from err
+    raw = arrays.pop(META, None)
+    if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
+        raise CheckpointError(f"{path}: no abstractdiff metadata; this .npz was not written by ad.save_checkpoint")
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: the checkpoint metadata is corrupt ({err})") from err
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("leaves"), list)):
+        raise CheckpointError(f"{path}: the metadata does not describe an abstractdiff checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format version {meta.get('version')!r}; this abstractdiff reads version {VERSION}"
+        )
+    return meta, arrays
+
+
+def _to_like(a: np.ndarray, like: Any) -> Any:
+    """``a`` as an array of the same library and device as ``like``."""
+    lib = type(like).__module__.partition(".")[0]
+    if lib == "torch":
+        import torch
+
+        t = torch.as_tensor(a, device=like.device)
+        return t.requires_grad_() if like.requires_grad and t.is_floating_point() else t
+    if lib in ("jax", "jaxlib"):
+        import jax
+
+        device = next(iter(like.devices())) if hasattr(like, "devices") else None
+        with optim.x64_scope([like]):
+            return jax.device_put(a, device)
+    if lib in ("tensorflow", "keras"):
+        import tensorflow as tf
+
+        with tf.device(like.device):
+            return tf.identity(tf.convert_to_tensor(a))
+    return a  # numpy, autograd (numpy arrays)
+
+
+def _mismatch(path: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} does not match like: {what}. Pass like=(state, model) built exactly as for the run "
+        f"that saved it (same model structure, shapes, dtypes and optimiser rule)"
+    )
+
+
+def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -> tuple[optim.OptState, Any]:
+    """Read a checkpoint into the structure of ``like = (state, model)``.
+
+    ``load_checkpoint(path, like=(state, model)) -> (state, model)``.  Arrays come back
+    as the library and device of the corresponding leaf of ``like`` (numpy, torch, jax,
+    tensorflow); a model holding variables is assigned in place and returned.  The whole
+    file is checked first: structure, paths, shapes and dtypes must match ``like``
+    exactly, otherwise nothing is assigned.
+
+    Raises:
+        CheckpointError: the file is truncated, corrupt, pickled, not a checkpoint, or
+            does not match ``like``.
+        FileNotFoundError: no file at ``path``.
+    """
+    if not (isinstance(like, tuple) and len(like) == 2):
+        raise TypeError("load_checkpoint: like must be the pair (state, model) to restore into")
+    path = os.fspath(path)
+    leaves, treedef, implicit = _leaves(*like)
+    meta, arrays = _read_file(path)
+    entries = meta["leaves"]
+    if len(entries) != len(leaves):
+        have = {e.get("path") for e in entries if isinstance(e, dict)}
+        want = {leaf.path for leaf in leaves}
+        extra, missing = sorted(have - want)[:3], sorted(want - have)[:3]
+        raise _mismatch(
+            path, f"it holds {len(entries)} leaves, like has {len(leaves)}"
+            + (f"; only in the file: {extra}" if extra else "") + (f"; only in like: {missing}" if missing else "")
+        )
+    new_values: list[Any] = []
+    for entry, leaf in zip(entries, leaves):
+        if not isinstance(entry, dict) or entry.get("path") != leaf.path:
+            got = entry.get("path") if isinstance(entry, dict) else entry
+            raise _mismatch(path, f"the file has {got!r} where like has {leaf.path!r}")
+        expected = _describe(leaf, 0)
+        kind = entry.get("kind")
+        if kind != expected["kind"]:
+            raise _mismatch(path, f"{leaf.path} is a {kind} in the file but a {expected['kind']} in like")
+        if kind == "array":
+            a = arrays.get(entry.get("key"))
+            if a is None:
+                raise CheckpointError(f"{path}: the array of {leaf.path} is missing; the file is corrupt")
+            if a.dtype.name != entry.get("dtype") or list(a.shape) != entry.get("shape"):
+                raise CheckpointError(f"{path}: the array of {leaf.path} does not match its metadata; corrupt file")
+            if entry["dtype"] != expected["dtype"] or entry["shape"] != expected["shape"]:
+                raise _mismatch(
+                    path, f"{leaf.path} is {entry['dtype']}{tuple(entry['shape'])} in the file but "
+                    f"{expected['dtype']}{tuple(expected['shape'])} in like"
+                )
+            new_values.append(a)
+        else:
+            if entry.get("type") != expected["type"]:
+                raise _mismatch(
+                    path, f"{leaf.path} is a {entry.get('type')} in the file but a {expected['type']} in like"
+                )
+            # Python scalars (the step counter) come from the file; objects (the rule) from like.
+            new_values.append(entry.get("value") if kind == "value" else leaf.value)
+    # Everything matched: convert all, then assign, so a failure cannot half-load.
+    converted = [_to_like(v, leaf.value) if isinstance(v, np.ndarray) else v for v, leaf in zip(new_values, leaves)]
+    n_state = treedef.num_leaves
+    state = optree.tree_unflatten(treedef, converted[:n_state])
+    model = like[1]
+    if implicit:
+        for leaf, value in zip(leaves[n_state:], converted[n_state:]):
+            optim.write(leaf.variable, value)
+    else:
+        model = optree.tree_unflatten(optree.tree_structure(model), converted[n_state:])
+    return state, model
