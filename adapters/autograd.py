@@ -47,6 +47,9 @@ def _cast(g: Any, like: Any) -> Any:
 class _Traced:
     """``fn`` as autograd's unary function of the boxed list of float leaves.
 
+    A single leaf is traced bare: the list container costs a getitem node per leaf and
+    makes a small gradient ~30% slower.
+
     Keeps ``aux`` and strips from it the boxes of this trace only, so that nested use
     still sees the outer trace's boxes.
     """
@@ -57,14 +60,13 @@ class _Traced:
 
     def __call__(self, boxed: Any) -> Any:
         self.backend.trace_count += 1
-        xs = [boxed[i] for i in range(self.n)]
+        xs = [boxed[i] for i in range(self.n)] if self.n != 1 else [boxed]
         y, aux = self.fn(xs, self.data)
         if self.scalar is not None:
             check_scalar(y, self.scalar)
-        level = getattr(boxed, "_trace", None)
-        self.aux = optree.tree_map(
-            lambda a: a._value if isinstance(a, Box) and a._trace == level else a, aux, none_is_leaf=True
-        )
+        if aux is not None:
+            level = getattr(boxed, "_trace", None)
+            self.aux = optree.tree_map(lambda a: a._value if isinstance(a, Box) and a._trace == level else a, aux)
         return y
 
 
@@ -79,6 +81,14 @@ def _run(transform: Callable[[], Any]) -> Any:
         if _BOX_MISUSE.search(str(err)) and _BOX_HINT not in getattr(err, "__notes__", ()):
             err.add_note(_BOX_HINT)  # the user's exception itself, type unchanged
         raise
+
+
+def _packed(xs: list) -> Any:
+    return xs[0] if len(xs) == 1 else list(xs)
+
+
+def _unpacked(gs: Any, n: int) -> list:
+    return [gs] if n == 1 else list(gs)
 
 
 def _primal(y: Any) -> Any:
@@ -116,14 +126,15 @@ class AutogradBackend(Backend):
     # ------------------------------------------------------------- primitives
     def _trace_reverse(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
         traced = _Traced(self, fn, data, len(xs), scalar)
-        vjp, y = _run(lambda: make_vjp(traced, list(xs)))
+        vjp, y = _run(lambda: make_vjp(traced, _packed(xs)))
         return _primal(y), traced.aux, vjp
 
     def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
         y, aux, vjp = self._trace_reverse(fn, xs, data, scalar)
 
         def pullback(dy: Any) -> list:
-            return [_cast(g, x) for g, x in zip(_run(lambda: vjp(dy)), xs)]
+            # The backward pass runs no user code: no _run needed.
+            return [_cast(g, x) for g, x in zip(_unpacked(vjp(dy), len(xs)), xs)]
 
         return y, aux, pullback
 
@@ -139,14 +150,14 @@ class AutogradBackend(Backend):
         def pushforward(ts: list) -> Any:
             if state["reverse"] is None:
                 try:
-                    _, dy = _run(lambda: make_jvp(_Traced(self, fn, data, len(xs)), list(xs))(list(ts)))
+                    _, dy = _run(lambda: make_jvp(_Traced(self, fn, data, len(xs)), _packed(xs))(_packed(ts)))
                     return _cast(dy, y)
                 except NotImplementedError as err:
                     if not _MISSING_JVP.search(str(err)):
                         raise
                     _, _, vjp = self._trace_reverse(fn, xs, data)
                     state["reverse"] = _run(lambda: make_vjp(vjp, np.zeros(shape_of(y), dtype=y.dtype))[0])
-            return _cast(_run(lambda: state["reverse"](list(ts))), y)
+            return _cast(state["reverse"](_packed(ts)), y)
 
         return y, aux, pushforward
 
@@ -174,11 +185,11 @@ class AutogradBackend(Backend):
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         (x,) = xs
         traced = _Traced(self, fn, data, 1, scalar="hessian")
-        h = _run(lambda: autograd.hessian(lambda v: traced([v]))(x))
+        h = _run(lambda: autograd.hessian(traced)(x))
         return _cast(h, x)
 
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # make_hvp: the vjp of the gradient (reverse-over-reverse); H is symmetric.
         traced = _Traced(self, fn, data, len(xs), scalar="hvp")
-        hvp, _ = _run(lambda: autograd.make_hvp(traced)(list(xs)))
-        return [_cast(h, x) for h, x in zip(_run(lambda: hvp(list(tangents))), xs)]
+        hvp, _ = _run(lambda: autograd.make_hvp(traced)(_packed(xs)))
+        return [_cast(h, x) for h, x in zip(_unpacked(hvp(_packed(tangents)), len(xs)), xs)]

@@ -376,6 +376,19 @@ def test_nested_pushforward_and_value_and_gradient_inside_gradient(b):
     assert_close(ad.gradient(b, outer, X, v), expected, RTOL[np.float64], np.float64)
 
 
+def test_nested_aux_keeps_the_outer_trace_and_nested_jacobian_hessian(b):
+    def outer(x):
+        # aux is unboxed for the inner trace only: it must stay differentiable outside.
+        g, aux = ad.gradient(b, lambda z: (anp.sum(z**2), z * 3.0), x, has_aux=True)
+        return anp.sum(g * aux)  # 6 x^2
+
+    assert_close(ad.gradient(b, outer, X), 12.0 * X, RTOL[np.float64], np.float64)
+    jac_sum = lambda x: anp.sum(ad.jacobian(b, lambda z: anp.sin(z) * z, x))  # noqa: E731
+    assert_close(ad.gradient(b, jac_sum, X), 2 * np.cos(X) - X * np.sin(X), RTOL[np.float64], np.float64)
+    hess_trace = lambda x: anp.sum(anp.diag(ad.hessian(b, sin_sum, x)))  # noqa: E731
+    assert_close(ad.gradient(b, hess_trace, X), -3 * np.sin(X) - X * np.cos(X), RTOL[np.float64], np.float64)
+
+
 # ---------------------------------------------------------- backend object
 def test_one_trace_per_call(b):
     # autograd has no compiled cache: each call traces f exactly once, never twice.
