@@ -1,8 +1,8 @@
 """HIPS autograd: reverse mode by tracing numpy code on the CPU; no compilation.
 
 autograd re-traces the function on every call (there is nothing to cache), boxes the
-list of float leaves as one container, and differentiates through ``autograd.numpy``
-ops only; backend-neutral functions reach those through ``autoray``.
+list of float leaves as one container (a single leaf bare), and differentiates through
+``autograd.numpy`` ops only; backend-neutral functions reach those through ``autoray``.
 """
 
 from __future__ import annotations
