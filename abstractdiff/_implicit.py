@@ -1,0 +1,461 @@
+"""Implicit parameters: ``Params``, ``Grads``, ``Variable`` and ``variables``.
+
+Zygote's implicit mode in Python: ``f`` takes no arguments and reads mutable variables,
+``ad.Params(obj)`` names the variables to differentiate, and the gradient comes back as
+an ``ad.Grads`` mapping keyed by variable identity.  The variables are the libraries'
+own (torch leaf tensors and ``nn.Parameter``, ``tf.Variable`` and Keras variables) or,
+for libraries with immutable arrays (jax, autograd, numpy), an ``ad.Variable`` box.
+The differentiation itself lives in :mod:`abstractdiff.adapters.implicit`.
+
+Nothing here imports an AD library: torch and tensorflow types are recognised only
+when their module is already loaded (a torch tensor cannot exist otherwise).
+
+Running an explicit ``f(x, *args)`` implicitly (what the conformance suite does)::
+
+    vs = ad.variables(x, b)                     # the same tree, of b's variables
+    g = ad.gradient(ad.Implicit(b), lambda: f(current_values(vs), *args), ad.Params(vs))
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import optree
+
+from ._errors import NonDifferentiableInputError, ShapeMismatchError
+from ._tree import is_array, is_float_dtype
+
+__all__ = ["Grads", "Params", "Variable", "current_values", "variables"]
+
+TORCH, TENSORFLOW, BOX = "torch", "tensorflow", "box"
+
+
+def _dtype_name(a: Any) -> str:
+    import autoray
+
+    return autoray.get_dtype_name(a)
+
+
+def _shape(a: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in a.shape)
+
+
+# ------------------------------------------------------------------ Variable
+class _Reads(threading.local):
+    """The Variables read while the implicit adapter runs ``f`` (a stack, for nesting)."""
+
+    def __init__(self) -> None:
+        self.stack: list[dict[int, Variable]] = []
+
+
+_reads = _Reads()
+
+
+class Variable:
+    """A mutable box holding one array, for libraries whose arrays are immutable.
+
+    ``Variable(value, name=None)``; read and write ``v.value``.  Assignment keeps the
+    shape and dtype (a clear error otherwise), so an update that silently changed
+    precision (jax outside ``jax.enable_x64``) is caught at once.  The box shares the
+    array it is given (no copy); ``ad.variables`` makes copies.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> w = ad.Variable(np.array([1.0, 2.0]))
+        >>> b = ad.Implicit("finite_differences")
+        >>> gs = ad.gradient(b, lambda: (w.value ** 2).sum(), ad.Params([w]))
+        >>> np.round(gs[w], 6)
+        array([2., 4.])
+    """
+
+    __slots__ = ("_value", "name", "__weakref__")
+
+    def __init__(self, value: Any, name: str | None = None):
+        if isinstance(value, Variable):
+            value = value.value
+        if not is_array(value):
+            value = np.asarray(value, dtype=np.float64 if isinstance(value, (int, float)) else None)
+        self._value = value
+        self.name = name
+
+    @property
+    def value(self) -> Any:
+        if _reads.stack:  # the implicit adapter is running f: note which boxes f reads
+            _reads.stack[-1][id(self)] = self
+        return self._value
+
+    @value.setter
+    def value(self, new: Any) -> None:
+        if isinstance(new, Variable):
+            new = new.value
+        if not is_array(new):
+            new = np.asarray(new, dtype=_dtype_name(self._value))
+        if _shape(new) != _shape(self._value):
+            raise ShapeMismatchError(
+                f"cannot assign an array of shape {_shape(new)} to {self._label()} of shape "
+                f"{_shape(self._value)}; a Variable keeps its shape (create a new ad.Variable instead)"
+            )
+        old, got = _dtype_name(self._value), _dtype_name(new)
+        if got != old:
+            hint = (
+                " (jax computes in float32 outside `with jax.enable_x64(True):`; run the update in that scope)"
+                if old == "float64" and got == "float32"
+                else ""
+            )
+            raise TypeError(
+                f"cannot assign a {got} array to {self._label()}, which holds {old}; cast the new value to {old}{hint}"
+            )
+        self._value = new
+
+    def _swap(self, new: Any) -> Any:
+        """Set the value without checks (a traced value) and return the old one."""
+        old, self._value = self._value, new
+        return old
+
+    def _abstractdiff_variable_value(self) -> Any:
+        return self._value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return _shape(self._value)
+
+    @property
+    def dtype(self) -> Any:
+        return self._value.dtype
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        from ._convert import to_numpy
+
+        a = np.asarray(to_numpy(self._value), dtype=dtype)
+        return a.copy() if copy else a
+
+    def _label(self) -> str:
+        return f"Variable {self.name!r}" if self.name else "the Variable"
+
+    def __repr__(self) -> str:
+        name = f"{self.name!r}, " if self.name else ""
+        return f"Variable({name}shape={self.shape}, dtype={_dtype_name(self._value)}, value={self._value!r})"
+
+
+# ------------------------------------------------------- recognising variables
+def _module(name: str) -> Any:
+    return sys.modules.get(name)
+
+
+def _is_torch_tensor(v: Any) -> bool:
+    torch = _module("torch")
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
+def _is_tf_variable(v: Any) -> bool:
+    tf = _module("tensorflow")
+    return tf is not None and isinstance(v, tf.Variable)
+
+
+def _is_keras_variable(v: Any) -> bool:
+    keras = _module("keras")
+    return keras is not None and isinstance(v, getattr(keras, "Variable", ()))
+
+
+def _kind(v: Any) -> str | None:
+    if isinstance(v, Variable):
+        return BOX
+    if _is_torch_tensor(v):
+        return TORCH
+    if _is_tf_variable(v) or _is_keras_variable(v):
+        return TENSORFLOW
+    return None
+
+
+def _check_variable(v: Any, where: str) -> str:
+    kind = _kind(v)
+    if kind is None:
+        what = type(v).__name__ + (f" of shape {_shape(v)}" if is_array(v) else "")
+        raise TypeError(
+            f"{where} is a {what}, not a variable: ad.Params holds mutable variables (torch leaf "
+            f"tensors requiring grad, tf.Variable, ad.Variable), or a torch.nn.Module / tf.Module / "
+            f"Keras model. Wrap arrays in ad.Variable(array) (jax, autograd, numpy), or convert a "
+            f"whole tree with ad.variables(tree, backend)"
+        )
+    if kind == TORCH:
+        if not is_float_dtype(v.dtype):
+            raise NonDifferentiableInputError(
+                f"{where} is a torch tensor of dtype {v.dtype}; only float tensors can be parameters"
+            )
+        if not v.requires_grad:
+            raise TypeError(
+                f"{where} is a torch tensor that does not require grad; call .requires_grad_() on it "
+                f"(or create it with ad.variables(tree, 'torch'))"
+            )
+        if not v.is_leaf:
+            raise TypeError(
+                f"{where} is a torch tensor computed from other tensors (not a leaf); parameters must "
+                f"be leaf tensors: use the tensors it was computed from, or .detach().requires_grad_()"
+            )
+    elif kind == TENSORFLOW:
+        if _is_keras_variable(v) and not _is_tf_variable(_tf_variable(v)):
+            raise TypeError(
+                f"{where} is a Keras variable of the {type(v.value).__module__.partition('.')[0]!r} "
+                f"backend; the implicit adapter differentiates Keras models on the tensorflow backend "
+                f"(KERAS_BACKEND=tensorflow)"
+            )
+        if not is_float_dtype(v.dtype):
+            raise NonDifferentiableInputError(
+                f"{where} is a variable of dtype {v.dtype}; only float variables can be parameters"
+            )
+    else:
+        if not is_float_dtype(v.dtype):
+            raise NonDifferentiableInputError(
+                f"{where} is an ad.Variable of dtype {_dtype_name(v._value)}; only float variables can "
+                f"be parameters (pass integer data to f another way)"
+            )
+    return kind
+
+
+def _tf_variable(v: Any) -> Any:
+    """The ``tf.Variable`` a tape watches: Keras 3 variables wrap one in ``.value``."""
+    return v.value if _is_keras_variable(v) else v
+
+
+def _module_variables(obj: Any) -> tuple[list[Any], int] | None:
+    """``(trainable variables, number of frozen ones)`` of a model, or ``None``."""
+    torch = _module("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        params = list(obj.parameters())  # already de-duplicated (shared weights)
+        trainable = [p for p in params if p.requires_grad]
+        return trainable, len(params) - len(trainable)
+    if _is_tf_variable(obj) or _is_keras_variable(obj):
+        return None
+    if hasattr(obj, "trainable_variables") and hasattr(obj, "variables"):  # tf.Module, Keras layer/model
+        trainable = list(obj.trainable_variables)
+        ids = {id(v) for v in trainable}
+        frozen = [v for v in obj.variables if id(v) not in ids]
+        return trainable, len(frozen)
+    return None
+
+
+# -------------------------------------------------------------------- Params
+class Params:
+    """The variables to differentiate, in order, de-duplicated by identity.
+
+    ``Params(obj)`` with ``obj`` a ``torch.nn.Module``, a ``tf.Module`` or Keras model,
+    or any pytree (list, dict, tuple) of variables and models.  Frozen parameters of a
+    model (``requires_grad=False``, non-trainable variables) are left out, and the repr
+    says how many.  All variables must belong to one library.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> w, b = ad.Variable(np.ones(3)), ad.Variable(np.zeros(()))
+        >>> ad.Params({"w": w, "b": b})
+        Params(2 variables (ad.Variable), 4 values)
+    """
+
+    _abstractdiff_params = True
+
+    def __init__(self, obj: Any):
+        self._vars: list[Any] = []
+        self._index: dict[int, int] = {}
+        self.frozen = 0  # frozen model parameters left out
+        kinds: dict[str, str] = {}
+        if isinstance(obj, Params):
+            obj = list(obj)
+        leaves, _ = optree.tree_flatten(obj, is_leaf=lambda v: _kind(v) is not None)
+        for n, leaf in enumerate(leaves):
+            found = _module_variables(leaf)
+            if found is not None:
+                vs, frozen = found
+                self.frozen += frozen
+                where = type(leaf).__name__
+            else:
+                vs, where = [leaf], f"leaf {n} of the tree given to ad.Params"
+            for v in vs:
+                kind = _check_variable(v, f"{where} ({type(v).__name__})" if found is not None else where)
+                kinds.setdefault(kind, type(v).__name__)
+                if id(v) not in self._index:
+                    self._index[id(v)] = len(self._vars)
+                    self._vars.append(v)
+        if len(kinds) > 1:
+            raise TypeError(
+                f"ad.Params mixes variables of different libraries ({', '.join(sorted(kinds.values()))}); "
+                f"differentiate each library's variables with its own ad.Implicit backend"
+            )
+        self.kind: str | None = next(iter(kinds), None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._vars)
+
+    def __len__(self) -> int:
+        return len(self._vars)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._vars[i]
+
+    def __contains__(self, v: object) -> bool:
+        return id(v) in self._index
+
+    def __repr__(self) -> str:
+        size = sum(int(np.prod(_shape(v))) for v in self._vars)
+        what = {TORCH: "torch", TENSORFLOW: "tensorflow", BOX: "ad.Variable", None: "none"}[self.kind]
+        frozen = f"; {self.frozen} frozen parameter{'s' * (self.frozen != 1)} skipped" if self.frozen else ""
+        n = len(self._vars)
+        return f"Params({n} variable{'s' * (n != 1)} ({what}), {size} values{frozen})"
+
+
+# --------------------------------------------------------------------- Grads
+class _Identity:
+    """Tree metadata naming parameters by identity (tf.Variable cannot be hashed or compared)."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, params: tuple[Any, ...]):
+        self.params = params
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Identity)
+            and len(other.params) == len(self.params)
+            and all(a is b for a, b in zip(self.params, other.params))
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple(id(p) for p in self.params))
+
+
+class Grads(Mapping):
+    """Gradients of implicit parameters: ``gs[p]`` is the gradient of parameter ``p``.
+
+    A read-only mapping keyed by variable identity, iterating in ``Params`` order; the
+    values are the backend's native arrays.  ``Grads`` is a pytree node (optree), so
+    ``ad.to_numpy(gs)`` returns a ``Grads`` of numpy arrays and ``optree.tree_map``
+    works on it.
+    """
+
+    def __init__(self, params: Params | list[Any], values: list[Any]):
+        self._params = list(params)
+        self._values = list(values)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        for i, p in enumerate(self._params):  # a Keras variable is also found by its tf.Variable
+            if _is_keras_variable(p):
+                self._index.setdefault(id(_tf_variable(p)), i)
+
+    def __getitem__(self, p: Any) -> Any:
+        i = self._index.get(id(p))
+        if i is None:
+            what = type(p).__name__ + (f" of shape {_shape(p)}" if is_array(p) else "")
+            raise KeyError(
+                f"this {what} is not one of the {len(self._params)} parameters of the Params that were "
+                f"differentiated (parameters are looked up by identity: pass the variable object itself, "
+                f"not a copy or its value)"
+            )
+        return self._values[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def __contains__(self, p: object) -> bool:
+        return id(p) in self._index
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Grads):
+            return NotImplemented
+        from ._convert import to_numpy
+
+        return _Identity(tuple(self._params)) == _Identity(tuple(other._params)) and all(
+            np.array_equal(to_numpy(a), to_numpy(b)) for a, b in zip(self._values, other._values)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        parts = [f"{_shape(g)} {_dtype_name(g)}" for g in self._values[:6]]
+        more = ", ..." if len(self._values) > 6 else ""
+        return f"Grads({len(self._values)} parameters: [{', '.join(parts)}{more}])"
+
+
+def _flatten_grads(gs: Grads) -> tuple[list[Any], _Identity, None]:
+    return gs._values, _Identity(tuple(gs._params)), None
+
+
+def _unflatten_grads(meta: _Identity, values: Any) -> Grads:
+    return Grads(list(meta.params), list(values))
+
+
+optree.register_pytree_node(
+    Grads,
+    _flatten_grads,
+    _unflatten_grads,
+    # the global namespace, so that plain optree.tree_map (and ad.to_numpy) sees Grads
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),  # noqa: B009
+)
+
+
+# ------------------------------------------------------------------ variables
+def _inner(b: Any) -> Any:
+    from ._registry import backend
+
+    b = backend(b)
+    return getattr(b, "inner", b)
+
+
+def variables(tree: Any, b: Any) -> Any:
+    """The same pytree with each float array replaced by a fresh variable of backend ``b``.
+
+    ``variables(tree, b) -> tree``: torch leaf tensors requiring grad (on ``b``'s
+    device) for torch, ``tf.Variable`` for tensorflow, ``ad.Variable`` boxes holding
+    ``b``'s native arrays otherwise.  ``b`` is a backend, its name, or an
+    ``ad.Implicit`` backend.  Values are copied (the input is never shared or mutated);
+    non-float leaves are returned unchanged.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> vs = ad.variables({"w": np.ones(2), "n": 3}, "finite_differences")
+        >>> type(vs["w"]).__name__, vs["n"]
+        ('Variable', 3)
+    """
+    inner = _inner(b)
+
+    def make(leaf: Any) -> Any:
+        if isinstance(leaf, Variable):
+            leaf = leaf.value
+        elif _is_keras_variable(leaf):
+            leaf = _tf_variable(leaf)
+        if not (isinstance(leaf, float) or (is_array(leaf) and is_float_dtype(leaf.dtype))):
+            return leaf
+        value = inner.convert(leaf)
+        if inner.name == "torch":
+            return value.detach().clone().requires_grad_(True)
+        if inner.name == "tensorflow":
+            import tensorflow as tf
+
+            return tf.Variable(value)
+        if isinstance(value, np.ndarray):
+            value = value.copy()
+        return Variable(value)
+
+    return optree.tree_map(make, tree, is_leaf=lambda v: _kind(v) is not None)
+
+
+def current_values(tree: Any) -> Any:
+    """The values a function of explicit arrays should see, read from a tree of variables.
+
+    ``ad.Variable`` -> its ``.value`` (the traced value while the implicit adapter runs
+    ``f``); ``tf.Variable`` (and Keras variables) -> a read of the variable (recorded
+    on the tape); torch tensors and every other leaf pass through.  Call it inside
+    ``f`` so that the reads are seen by the differentiation.
+    """
+
+    def read(leaf: Any) -> Any:
+        if isinstance(leaf, Variable):
+            return leaf.value
+        if _is_tf_variable(leaf) or _is_keras_variable(leaf):
+            return _tf_variable(leaf).read_value()
+        return leaf
+
+    return optree.tree_map(read, tree, is_leaf=lambda v: _kind(v) is not None)

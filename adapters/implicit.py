@@ -1,0 +1,354 @@
+"""The implicit-params adapter: ``f()`` reads variables, ``ad.Params`` names them.
+
+Three routes, chosen by the kind of variables in the ``Params``:
+
+* torch leaf tensors: ``torch.autograd.grad`` over the parameters themselves
+  (``.backward()`` would accumulate into ``.grad``; every ``.grad`` is left untouched);
+* ``tf.Variable`` (and Keras variables): a ``tf.GradientTape`` watching exactly them;
+* ``ad.Variable`` boxes, on any inner backend: ``f`` becomes an explicit function of the
+  boxes' values, which swaps each box's value for the traced one, calls ``f`` and puts
+  the values back (``finally``), and the inner backend differentiates it.
+
+The explicit function is cached per (``f``, variables), holding both weakly, so that
+compiling inner backends (jax ``jit``, ``tf.function``) reuse their trace on a repeated
+call.  Boxes ``f`` reads that are not in ``Params`` are noted on the first call and
+passed as data from then on, so a compiled trace never freezes their values.
+
+torch and tensorflow are imported only when their variables are seen.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import optree
+
+from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from abstractdiff._implicit import TENSORFLOW, TORCH, Grads, Params, Variable, _reads, _tf_variable
+from abstractdiff._registry import _lookup
+from abstractdiff._registry import backend as _backend
+from abstractdiff._tree import _weak_callable, check_output, is_array
+
+_EXPLICIT_ONLY = ("value_and_pushforward", "pushforward", "derivative", "jacobian", "hessian", "hvp")
+
+
+def _split(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        from abstractdiff._errors import InvalidOutputError
+
+        raise InvalidOutputError(f"with has_aux=True, f must return a pair (y, aux); it returned {type(out).__name__}")
+    return out
+
+
+def _shape(a: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in a.shape)
+
+
+def _check_cotangent(dy: Any, y: Any) -> None:
+    got = _shape(dy) if is_array(dy) else () if isinstance(dy, (int, float)) else None
+    if got != _shape(y):
+        raise ShapeMismatchError(
+            f"cotangent has {'shape ' + str(got) if got is not None else 'type ' + type(dy).__name__} but "
+            f"f's output has shape {_shape(y)}; pass an array shaped like y"
+        )
+
+
+class _Swapped:
+    """``f`` as an explicit function of its boxes' values: ``(values, extra_values, *args) -> f(*args)``.
+
+    Holds ``f`` and the boxes weakly: it is cached per (``f``, boxes) and must not keep
+    them alive; whoever calls it holds them.
+    """
+
+    def __init__(self, f: Callable[..., Any], boxes: list[Variable]):
+        self._f = _weak_callable(f)
+        self._boxes = [weakref.ref(b) for b in boxes]
+        self._known = {id(b) for b in boxes}
+        #: boxes f read that are not parameters; passed as (undifferentiated) data
+        self.extra: list[weakref.ref] = []
+
+    def boxes(self) -> tuple[Callable[..., Any], list[Variable], list[Variable]]:
+        f = self._f()
+        boxes = [r() for r in self._boxes]
+        extra = [r() for r in self.extra]
+        if f is None or any(b is None for b in boxes) or any(b is None for b in extra):
+            raise ReferenceError("the function or a variable being differentiated was garbage collected")
+        return f, boxes, extra  # type: ignore[return-value]
+
+    def __call__(self, values: list, extra_values: list, *args: Any) -> Any:
+        f, boxes, extra = self.boxes()
+        reads: dict[int, Variable] = {}
+        swapped: list[tuple[Variable, Any]] = []
+        _reads.stack.append(reads)
+        try:
+            # zip stops at the shorter list: boxes noted as extra during this very
+            # operation have no traced value yet and keep their own
+            for box, value in zip(boxes + extra, list(values) + list(extra_values)):
+                swapped.append((box, box._swap(value)))
+            return f(*args)
+        finally:
+            _reads.stack.pop()
+            for box, old in reversed(swapped):
+                box._swap(old)
+            for key, box in reads.items():
+                if key not in self._known:
+                    self._known.add(key)
+                    self.extra.append(weakref.ref(box))
+
+
+class Implicit(Backend):
+    """``Implicit(inner)``: differentiate ``f()`` with respect to ``ad.Params`` on ``inner``.
+
+    ``inner`` is a backend name or instance; extra keyword options create the inner
+    backend (``Implicit("jax", compile=False)``).  Operators: ``gradient``,
+    ``value_and_gradient`` (``has_aux`` too), ``pullback`` and ``value_and_pullback``,
+    returning :class:`abstractdiff.Grads`.  Extra positional ``args`` are passed to
+    ``f(*args)`` undifferentiated (data, as in explicit mode: compiled backends reuse
+    their trace for new data of the same shapes).
+    """
+
+    name = "implicit"
+
+    def __init__(self, inner: str | Backend, **inner_options: Any):
+        if isinstance(inner, Implicit):
+            raise TypeError("the inner backend of ad.Implicit must be an explicit backend, not another ad.Implicit")
+        if isinstance(inner, Backend):
+            if inner_options:
+                raise TypeError("options cannot be given with a Backend instance as inner")
+            self._inner: Backend | None = inner
+            self.inner_name = inner.name
+        elif isinstance(inner, str):
+            _lookup(inner)  # an unknown name fails now, with the list of names
+            if inner == "implicit":
+                raise TypeError("the inner backend of ad.Implicit must be an explicit backend, such as 'jax'")
+            self._inner, self.inner_name = None, inner
+        else:
+            raise TypeError(f"inner must be a backend name (such as 'jax') or a Backend, got {type(inner).__name__}")
+        self._inner_options = inner_options
+        self.options = {"inner": inner, **inner_options}
+        self._plans = None
+        self._explicit: dict[tuple, _Swapped] = {}
+
+    @property
+    def inner(self) -> Backend:
+        """The explicit backend doing the work (created on first use)."""
+        if self._inner is None:
+            self._inner = _backend(self.inner_name, **self._inner_options)
+        return self._inner
+
+    @property
+    def device(self) -> str:  # type: ignore[override]
+        return self.inner.device
+
+    def devices(self) -> list[str]:
+        return self.inner.devices()
+
+    def is_native(self, a: Any) -> bool:
+        return self.inner.is_native(a)
+
+    def asarray(self, a: Any, dtype: str | None = None) -> Any:
+        return self.inner.asarray(a, dtype)
+
+    def zeros_like(self, a: Any) -> Any:
+        return self.inner.zeros_like(a)
+
+    def ones_like(self, a: Any) -> Any:
+        return self.inner.ones_like(a)
+
+    # ------------------------------------------------------------- checks
+    def _params(self, x: Any) -> Params:
+        if not isinstance(x, Params):
+            raise ModeMismatchError(
+                f"the implicit backend ({self!r}) differentiates f() with respect to ad.Params, but got "
+                f"a {type(x).__name__}; wrap the model or variables: ad.gradient(b, f, ad.Params(model)) "
+                f"with f taking no arguments, or differentiate f(x) explicitly with "
+                f"ad.backend({self.inner_name!r})"
+            )
+        if x.kind is None:
+            raise NonDifferentiableInputError(
+                f"{x!r} holds no trainable variable to differentiate; unfreeze some parameters "
+                f"(requires_grad=True / trainable=True) or pass the variables themselves"
+            )
+        need = {TORCH: "torch", TENSORFLOW: "tensorflow"}.get(x.kind)
+        if need is not None and need != self.inner_name:
+            raise TypeError(
+                f"Params holds {need} variables but the inner backend is {self.inner_name!r}; use "
+                f"ad.Implicit({need!r}), or hold {self.inner_name} values in ad.Variable boxes "
+                f"(ad.variables(tree, {self.inner_name!r}))"
+            )
+        return x
+
+    def _wrapper(self, f: Callable[..., Any], boxes: list[Variable]) -> _Swapped:
+        owner = getattr(f, "__self__", None)
+        func = getattr(f, "__func__", f) if owner is not None else f
+        key = (id(func), id(owner), *(id(b) for b in boxes))
+        w = self._explicit.get(key)
+        if w is not None:
+            return w
+        w = _Swapped(f, boxes)
+        try:
+            # drop the entry (and the inner backend's plans for it) when any of them dies
+            drop = lambda _r, key=key: self._explicit.pop(key, None)  # noqa: E731
+            w.refs = [weakref.ref(o, drop) for o in (func, owner, *boxes) if o is not None]  # type: ignore[attr-defined]
+        except TypeError:  # f cannot be weakly referenced: use the wrapper once
+            w._f = lambda: f
+            return w
+        self._explicit[key] = w
+        return w
+
+    # ---------------------------------------------------- public operators
+    def value_and_gradient(self, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> tuple[Any, Grads]:
+        """``(y, gs)`` or ``((y, aux), gs)``; see :func:`abstractdiff.value_and_gradient`."""
+        ps = self._params(x)
+        if not callable(f):
+            raise TypeError(f"f must be callable, got {type(f).__name__}")
+        if ps.kind == TORCH:
+            y, aux, grads = _torch_value_and_gradient(f, list(ps), args, has_aux)
+        elif ps.kind == TENSORFLOW:
+            y, aux, grads = _tf_value_and_gradient(f, list(ps), args, has_aux)
+        else:
+            w = self._wrapper(f, list(ps))
+            _, boxes, extra = w.boxes()
+            out, grads = self.inner.value_and_gradient(
+                w, [b._value for b in boxes], [b._value for b in extra], *args, has_aux=has_aux
+            )
+            y, aux = out if has_aux else (out, None)
+        gs = Grads(ps, list(grads))
+        return ((y, aux), gs) if has_aux else (y, gs)
+
+    def value_and_pullback(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Callable[[Any], Grads]]:
+        """``(y, vjp)`` with ``vjp(dy) -> Grads``; see :func:`abstractdiff.value_and_pullback`."""
+        ps = self._params(x)
+        if not callable(f):
+            raise TypeError(f"f must be callable, got {type(f).__name__}")
+        if ps.kind == TORCH:
+            y, vjp = _torch_value_and_pullback(f, list(ps), args)
+        elif ps.kind == TENSORFLOW:
+            y, vjp = _tf_value_and_pullback(f, list(ps), args)
+        else:
+            w = self._wrapper(f, list(ps))
+            _, boxes, extra = w.boxes()
+            y, vjp = self.inner.value_and_pullback(w, [b._value for b in boxes], [b._value for b in extra], *args)
+
+        def pullback(dy: Any) -> Grads:
+            return Grads(ps, list(vjp(dy)))
+
+        pullback.f = f  # type: ignore[attr-defined]  # the cached explicit wrapper holds f weakly
+        return y, pullback
+
+
+def _explicit_only(name: str) -> Callable[..., Any]:
+    def refuse(self: Implicit, *_args: Any, **_kwargs: Any) -> Any:
+        raise ModeMismatchError(
+            f"{name} is not available in implicit mode (ad.Implicit offers gradient, value_and_gradient, "
+            f"pullback and value_and_pullback); call ad.{name} on the explicit backend "
+            f"ad.backend({self.inner_name!r}) with the variables' values as x "
+            f"(abstractdiff._implicit.current_values reads them from a tree of variables)"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in _EXPLICIT_ONLY:
+    setattr(Implicit, _name, _explicit_only(_name))
+
+
+# --------------------------------------------------------------- torch route
+def _torch_output(out: Any) -> Any:
+    import torch
+
+    y = check_output(out)
+    return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
+
+
+def _detach_torch(tree: Any) -> Any:
+    import torch
+
+    return optree.tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, tree)
+
+
+def _torch_value_and_gradient(f: Callable[..., Any], params: list, args: tuple, has_aux: bool) -> tuple:
+    import torch
+
+    with torch.enable_grad():
+        y, aux = _split(f(*args), has_aux)
+        y = _torch_output(y)
+        check_scalar(y)
+        if y.requires_grad:
+            # never .backward(): it would accumulate into every parameter's .grad
+            grads = torch.autograd.grad(y, params, allow_unused=True, materialize_grads=True)
+        else:
+            grads = tuple(torch.zeros_like(p) for p in params)
+    return y.detach(), _detach_torch(aux), list(grads)
+
+
+def _torch_value_and_pullback(f: Callable[..., Any], params: list, args: tuple) -> tuple:
+    import torch
+
+    with torch.enable_grad():
+        y = _torch_output(f(*args))
+
+    def vjp(dy: Any) -> list:
+        _check_cotangent(dy, y)
+        dy = torch.as_tensor(dy if isinstance(dy, torch.Tensor) else np.asarray(dy), dtype=y.dtype, device=y.device)
+        if not y.requires_grad:
+            return [torch.zeros_like(p) for p in params]
+        with torch.enable_grad():
+            grads = torch.autograd.grad(
+                y, params, grad_outputs=dy, retain_graph=True, allow_unused=True, materialize_grads=True
+            )
+        return list(grads)
+
+    return y.detach(), vjp
+
+
+# ---------------------------------------------------------- tensorflow route
+def _tf_output(out: Any) -> Any:
+    import tensorflow as tf
+
+    y = check_output(out)
+    return y if tf.is_tensor(y) else tf.constant(np.asarray(y))
+
+
+def _dense(tf: Any, g: Any) -> Any:
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _tf_value_and_gradient(f: Callable[..., Any], params: list, args: tuple, has_aux: bool) -> tuple:
+    import tensorflow as tf
+
+    watched = [_tf_variable(v) for v in params]
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(watched)
+        y, aux = _split(f(*args), has_aux)
+        y = _tf_output(y)
+    check_scalar(y)
+    grads = tape.gradient(y, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return y, aux, [_dense(tf, g) for g in grads]
+
+
+def _tf_value_and_pullback(f: Callable[..., Any], params: list, args: tuple) -> tuple:
+    import tensorflow as tf
+
+    watched = [_tf_variable(v) for v in params]
+    # persistent: the pullback may be called more than once
+    with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+        tape.watch(watched)
+        y = _tf_output(f(*args))
+
+    def vjp(dy: Any) -> list:
+        _check_cotangent(dy, y)
+        dy = tf.cast(tf.convert_to_tensor(dy if tf.is_tensor(dy) else np.asarray(dy)), y.dtype)
+        grads = tape.gradient(y, watched, output_gradients=dy, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [_dense(tf, g) for g in grads]
+
+    return y, vjp
+
+
+__all__ = ["Implicit"]
