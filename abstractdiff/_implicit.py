@@ -239,13 +239,25 @@ def _module_variables(obj: Any) -> tuple[list[Any], int] | None:
 
 
 # -------------------------------------------------------------------- Params
+def _is_static(leaf: Any) -> bool:
+    # As in explicit mode, what can never be differentiated is left alone: Python ints,
+    # bools and strings, and integer arrays (or integer variables).  A float array is
+    # not: it is a forgotten variable, and _check_variable says how to fix it.
+    if isinstance(leaf, (bool, int, str, bytes)):
+        return True
+    return is_array(leaf) and not is_float_dtype(leaf.dtype)
+
+
 class Params:
     """The variables to differentiate, in order, de-duplicated by identity.
 
     ``Params(obj)`` with ``obj`` a ``torch.nn.Module``, a ``tf.Module`` or Keras model,
     or any pytree (list, dict, tuple) of variables and models.  Frozen parameters of a
     model (``requires_grad=False``, non-trainable variables) are left out, and the repr
-    says how many.  All variables must belong to one library.
+    says how many.  Leaves that can never be differentiated (Python ints, bools,
+    strings, integer arrays) are skipped, as in explicit mode; any other leaf that is
+    not a variable (a float numpy array) is a TypeError.  All variables must belong to
+    one library.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -270,6 +282,8 @@ class Params:
                 vs, frozen = found
                 self.frozen += frozen
                 where = type(leaf).__name__
+            elif _is_static(leaf):
+                continue
             else:
                 vs, where = [leaf], f"leaf {n} of the tree given to ad.Params"
             for v in vs:
@@ -411,7 +425,8 @@ def variables(tree: Any, b: Any) -> Any:
     device) for torch, ``tf.Variable`` for tensorflow, ``ad.Variable`` boxes holding
     ``b``'s native arrays otherwise.  ``b`` is a backend, its name, or an
     ``ad.Implicit`` backend.  Values are copied (the input is never shared or mutated);
-    non-float leaves are returned unchanged.
+    integer arrays become ``b``'s native arrays and other leaves (ints, strings) are
+    returned unchanged.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -426,7 +441,9 @@ def variables(tree: Any, b: Any) -> Any:
             leaf = leaf.value
         elif _is_keras_variable(leaf):
             leaf = _tf_variable(leaf)
-        if not (isinstance(leaf, float) or (is_array(leaf) and is_float_dtype(leaf.dtype))):
+        if is_array(leaf) and not is_float_dtype(leaf.dtype):
+            return inner.convert(leaf)  # data (integer arrays) as native arrays, as explicit mode does
+        if not (isinstance(leaf, float) or is_array(leaf)):
             return leaf
         value = inner.convert(leaf)
         if inner.name == "torch":
