@@ -64,11 +64,12 @@ def _all_finite(loss: Any, grads: list) -> bool:
     """One synchronisation: ``a * 0`` is 0 where ``a`` is finite and NaN elsewhere, and a
     sum of zeros cannot overflow (unlike a sum of the values themselves)."""
     ar = _ar()
-    total = loss * 0
-    for g in grads:
-        if g is not None:
+    grads = [g for g in grads if g is not None]
+    with optim.x64_scope([loss, *grads]):
+        total = loss * 0
+        for g in grads:
             total = total + ar.do("sum", g * 0)
-    return float(to_numpy(total)) == 0.0
+        return float(to_numpy(total)) == 0.0
 
 
 def train_step(
