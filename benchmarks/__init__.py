@@ -1,0 +1,1 @@
+"""Benchmark harnesses (run as modules: ``python -m benchmarks.<name>``)."""
