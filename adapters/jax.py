@@ -147,7 +147,7 @@ class JaxBackend(Backend):
             y, aux = fn(xs, data)
             if operator is not None:
                 check_scalar(y, operator)
-            if aux is not None:
+            if aux is not None and statics is not None:
                 leaves, treedef = jax.tree_util.tree_flatten(aux)
                 dynamic = [isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves]
                 static = [None if d else v for v, d in zip(leaves, dynamic)]
@@ -158,21 +158,21 @@ class JaxBackend(Backend):
         return call
 
     @staticmethod
-    def _aux_statics(fn: Any, operator: str | None) -> dict:
+    def _aux_statics(fn: Any, operator: str | None) -> dict | None:
         cache = getattr(fn, "cache", None)
-        return {} if cache is None else cache.setdefault(("jax", "aux", operator), {})
+        return None if cache is None else cache.setdefault(("jax", "aux", operator), {})
 
     def _aux(self, fn: Any, operator: str | None, xs: list, data: list, aux: Any) -> Any:
-        if aux is None:
-            return None
+        if aux is None or getattr(fn, "cache", None) is None:  # not split: see _compiled
+            return aux
         treedef, dynamic, static = self._aux_statics(fn, operator)[_signature(xs, data)]
         values = iter(aux)
         return jax.tree_util.tree_unflatten(treedef, [next(values) if d else v for d, v in zip(dynamic, static)])
 
     def _compiled(self, fn: Any, operator: str, x64: bool, build: Callable[[], Callable]) -> Callable:
         cache = getattr(fn, "cache", None)
-        if cache is None:  # a plain callable (not from the core): nothing to keep it on
-            return jax.jit(build()) if self.compile else build()
+        if cache is None:  # a plain callable (not from the core): a jit would retrace every call
+            return build()
         key = ("jax", operator, x64, self.compile)
         compiled = cache.get(key)
         if compiled is None:

@@ -291,6 +291,17 @@ def test_returned_closures_keep_the_x64_scope(compile):
     assert str(jvp([np.ones(3)]).dtype) == "float64"
 
 
+def test_flat_operators_accept_plain_callables(b):
+    # A flat function without .cache (an adapter built on this one) runs un-jitted, aux as is.
+    def plain(xs, data):
+        return anp.sum(xs[0] ** 2 * data[0]), {"n": 3}
+
+    xs, data = [b.asarray(point(3, "float32"))], [b.asarray(np.full(3, 2.0, dtype="float32"))]
+    y, aux, grads = b.flat_value_and_gradient(plain, xs, data)
+    assert aux == {"n": 3}
+    assert_close(grads, [4 * np.asarray(xs[0], dtype=np.float64)], RTOL["float32"], "float32")
+
+
 def test_float64_result_is_exact_to_float64_precision(b):
     # Truncation to float32 anywhere would leave errors of ~1e-8.
     x = np.array([0.1, 0.2, 0.3]) + 1e-12
