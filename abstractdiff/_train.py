@@ -56,6 +56,31 @@ def _convert_tree(b: Backend, tree: Any) -> Any:
     return optree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
 
 
+class _Bound:
+    """``loss_fn(model, *batch)`` as ``f(*batch)``: the batch goes in as data, not in a closure."""
+
+    __slots__ = ("loss_fn", "model", "__weakref__")
+
+    def __init__(self, loss_fn: Callable[..., Any], model: Any):
+        self.loss_fn, self.model = loss_fn, model
+
+    def __call__(self, *batch: Any) -> Any:
+        return self.loss_fn(self.model, *batch)
+
+
+_last_bound: list[_Bound] = []
+
+
+def _bound(loss_fn: Callable[..., Any], model: Any) -> _Bound:
+    # The same function object on every step of a loop, so that compiling inner backends
+    # (jax jit, tf.function) keep their trace; only the last (loss_fn, model) is kept.
+    if _last_bound and _last_bound[0].loss_fn is loss_fn and _last_bound[0].model is model:
+        return _last_bound[0]
+    f = _Bound(loss_fn, model)
+    _last_bound[:] = [f]
+    return f
+
+
 def _as_batch(batch: Any) -> tuple:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
@@ -118,9 +143,8 @@ def train_step(
                 f"of arrays; pass a model holding variables (an nn.Module, a Keras model, "
                 f"ad.variables(...)) to optim.setup and train_step, or use the explicit backend {_inner(b)!r}"
             )
-        batch = _convert_tree(_inner(b), batch)
         params = optim.params_of(model)
-        loss, grads = b.value_and_gradient(lambda: loss_fn(model, *batch), params)
+        loss, grads = b.value_and_gradient(_bound(loss_fn, model), params, *batch)
         if not _all_finite(loss, [grads[p] for p in params]):
             raise NonFiniteError(
                 f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was "

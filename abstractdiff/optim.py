@@ -313,40 +313,34 @@ class OptState(NamedTuple):
 
 
 # ------------------------------------------------------------------ variables
-def _mro_names(obj: Any) -> set[tuple[str, str]]:
-    return {(c.__module__.partition(".")[0], c.__name__) for c in type(obj).__mro__}
-
-
-def is_module(obj: Any) -> bool:
-    """A torch ``nn.Module`` or a Keras layer/model, found without importing either."""
-    names = _mro_names(obj)
-    return ("torch", "Module") in names or any(
-        lib in ("keras", "tf_keras", "tensorflow") and n == "Layer" for lib, n in names
-    )
-
-
-def is_variable(obj: Any) -> bool:
-    """An ``ad.Variable``, a ``tf.Variable`` or a ``torch.nn.Parameter``."""
-    if hasattr(obj, "_abstractdiff_variable_value"):
-        return True
-    names = _mro_names(obj)
-    return ("torch", "Parameter") in names or any(
-        lib in ("tensorflow", "keras") and n == "Variable" for lib, n in names
-    )
-
-
+# What counts as a variable is ad.Params' notion (abstractdiff._implicit), which
+# recognises torch and tensorflow objects only when their library is already loaded.
 def _is_params(obj: Any) -> bool:
     return bool(getattr(obj, "_abstractdiff_params", False))
 
 
+def _is_variable(leaf: Any) -> bool:
+    from ._implicit import TORCH, _kind
+
+    kind = _kind(leaf)
+    if kind == TORCH:  # a plain tensor is an array; a leaf requiring grad is a parameter
+        return bool(leaf.requires_grad and leaf.is_leaf)
+    return kind is not None
+
+
 def holds_variables(model: Any) -> bool:
-    """Whether ``model`` is trained in place (implicit mode) rather than returned anew."""
-    if _is_params(model) or is_module(model):
+    """Whether ``model`` is trained in place (implicit mode) rather than returned anew:
+    ``ad.Params``, a torch/Keras/tf model, or a pytree with variables among its leaves."""
+    from ._implicit import _kind, _module_variables
+
+    if _is_params(model):
         return True
-    return any(is_variable(leaf) or is_module(leaf) for leaf in optree.tree_leaves(model))
+    leaves = optree.tree_leaves(model, is_leaf=lambda v: _kind(v) is not None)
+    return any(_is_variable(v) or _module_variables(v) is not None for v in leaves)
 
 
 def params_of(model: Any) -> Any:
+    """``ad.Params(model)`` (the model itself if it already is one)."""
     from ._implicit import Params
 
     return model if _is_params(model) else Params(model)
@@ -354,24 +348,30 @@ def params_of(model: Any) -> Any:
 
 def read(var: Any) -> Any:
     """The current value of a variable, as an array outside any autodiff graph."""
-    if hasattr(var, "_abstractdiff_variable_value"):
-        return var.value
-    if ("torch", "Parameter") in _mro_names(var) or type(var).__module__.startswith("torch"):
+    from ._implicit import TENSORFLOW, TORCH, _kind, _tf_variable
+
+    kind = _kind(var)
+    if kind == TORCH:
         return var.detach()
-    return var.read_value() if hasattr(var, "read_value") else var.value
+    if kind == TENSORFLOW:
+        return _tf_variable(var).read_value()
+    return var.value
 
 
 def write(var: Any, value: Any) -> None:
-    """Assign ``value`` to a variable in place."""
-    if hasattr(var, "_abstractdiff_variable_value"):
-        var.value = value
-    elif type(var).__module__.startswith("torch"):
+    """Assign ``value`` to a variable in place (same shape and dtype)."""
+    from ._implicit import TENSORFLOW, TORCH, _kind
+
+    kind = _kind(var)
+    if kind == TORCH:
         import torch
 
         with torch.no_grad():
             var.copy_(value)
-    else:
+    elif kind == TENSORFLOW:
         var.assign(value)
+    else:
+        var.value = value
 
 
 # ------------------------------------------------------------------ dtype scope
