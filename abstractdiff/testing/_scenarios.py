@@ -1,0 +1,592 @@
+"""Test scenarios: a function, a point, and analytic reference results per operator.
+
+Scenario functions are backend-neutral (``autoray``), so the same scenario runs on numpy,
+torch, jax, tensorflow and autograd.  Each built-in scenario is defined once as a
+builder ``dtype -> Scenario``; :func:`default_scenarios` instantiates it per dtype.
+References are computed in float64 numpy from the (possibly float32) inputs, so a
+float32 run is compared with the exact derivative at exactly the point it was given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import optree
+
+from .._tree import is_array, is_float_dtype
+
+__all__ = ["OPERATORS", "Scenario", "default_scenarios", "scenario_names"]
+
+#: Every operator the harness knows, in table order.
+OPERATORS: tuple[str, ...] = (
+    "gradient",
+    "value_and_gradient",
+    "pullback",
+    "pushforward",
+    "derivative",
+    "jacobian",
+    "hessian",
+    "hvp",
+)
+
+#: Second-order operators get the looser tolerance.
+SECOND_ORDER = frozenset({"hessian", "hvp"})
+
+
+def _is_float_leaf(a: Any) -> bool:
+    return is_array(a) and is_float_dtype(a.dtype)
+
+
+def _none_leaf(tree: Any) -> Any:
+    return optree.tree_map(lambda _: None, tree, none_is_leaf=True)
+
+
+@dataclass(eq=False)
+class Scenario:
+    """One differentiation test case: ``f(x, *args)`` with reference results.
+
+    ``Scenario(name, f, x, args=(), *, value=, gradient=, jacobian=, hessian=, hvp=,
+    pullback=, pushforward=, derivative=, tangent=, cotangent=, operators=)``
+
+    References are numpy arrays (trees shaped like ``x`` for gradient, jacobian, hvp
+    and pullback).  Leave out the ones that do not apply; the applicable operators are
+    those with a reference (``value_and_gradient`` needs ``value`` and ``gradient``;
+    ``pullback``/``pushforward`` are derived from ``gradient`` or ``jacobian`` when a
+    cotangent/tangent is given, ``hvp`` from a single-array ``hessian``).  Pass
+    ``operators=`` to restrict them.  Non-float leaves of ``x`` (ints, integer arrays,
+    None) must come back as ``None`` in gradient-shaped results; a float leaf that ``f``
+    ignores must get zeros.
+
+    Example:
+        >>> import numpy as np
+        >>> from autoray import numpy as anp
+        >>> s = Scenario("square", lambda x: anp.sum(x**2), np.array([1.0, 2.0]),
+        ...              value=5.0, gradient=np.array([2.0, 4.0]))
+        >>> s.operators, s.dtype, s.id
+        (('gradient', 'value_and_gradient'), 'float64', 'square[float64]')
+    """
+
+    name: str
+    f: Callable[..., Any]
+    x: Any
+    args: tuple = ()
+    value: Any = None
+    gradient: Any = None
+    jacobian: Any = None
+    hessian: Any = None
+    hvp: Any = None
+    pullback: Any = None
+    pushforward: Any = None
+    derivative: Any = None
+    tangent: Any = None
+    cotangent: Any = None
+    operators: Sequence[str] | None = None
+    description: str = ""
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.args = tuple(self.args)
+        if not callable(self.f):
+            raise TypeError(f"Scenario {self.name!r}: f must be callable, got {type(self.f).__name__}")
+        floats = [a for a in optree.tree_leaves(self.x) if _is_float_leaf(a)]
+        if not floats:
+            raise ValueError(
+                f"Scenario {self.name!r}: x has no float array leaf; use numpy float arrays "
+                f"(np.asarray(v, dtype=np.float64)), not Python floats"
+            )
+        dtypes = {np.dtype(a.dtype).name for a in floats}
+        if len(dtypes) != 1:
+            raise ValueError(f"Scenario {self.name!r}: float leaves of x mix dtypes {sorted(dtypes)}; use one dtype")
+        self.dtype: str = dtypes.pop()
+        self._derive()
+        if self.operators is not None:
+            unknown = set(self.operators) - set(OPERATORS)
+            if unknown:
+                raise ValueError(f"Scenario {self.name!r}: unknown operators {sorted(unknown)}; known: {OPERATORS}")
+            missing = [op for op in self.operators if op not in self._available()]
+            if missing:
+                raise ValueError(f"Scenario {self.name!r}: no reference result for operators {missing}")
+            self.operators = tuple(op for op in OPERATORS if op in self.operators)
+        else:
+            self.operators = self._available()
+
+    @property
+    def id(self) -> str:
+        """``name[dtype]``, the name used in reports."""
+        return f"{self.name}[{self.dtype}]"
+
+    @property
+    def is_scalar_output(self) -> bool:
+        return self.value is not None and np.ndim(self.value) == 0
+
+    def reference(self, part: str) -> Any:
+        """The reference result ``part`` ("value", "gradient", "pullback", ...)."""
+        own = getattr(self, part)
+        return own if own is not None else self._derived.get(part)
+
+    # ------------------------------------------------------------------ internal
+    def _float_paths(self) -> list[bool]:
+        return [_is_float_leaf(a) for a in optree.tree_leaves(self.x, none_is_leaf=True)]
+
+    def _map_floats(self, fn: Callable[..., Any], *trees: Any) -> Any:
+        """A tree like ``x``: ``fn(leaves...)`` at float leaves, None elsewhere."""
+        leaves, treedef = optree.tree_flatten(self.x, none_is_leaf=True)
+        others = [treedef.flatten_up_to(t) for t in trees]
+        out = [fn(*(o[i] for o in others)) if _is_float_leaf(a) else None for i, a in enumerate(leaves)]
+        return optree.tree_unflatten(treedef, out)
+
+    def _derive(self) -> None:
+        d = self._derived
+        x_leaves = optree.tree_leaves(self.x, none_is_leaf=True)
+        if self.gradient is not None:
+            if self.cotangent is None:
+                self.cotangent = np.asarray(0.75, dtype=self.dtype)
+            d["pullback"] = self._map_floats(lambda g: np.asarray(self.cotangent, np.float64) * g, self.gradient)
+            if self.tangent is not None:
+                d["pushforward"] = _tree_dot(self, self.gradient, self.tangent)
+        if self.jacobian is not None and self.value is not None:
+            ny = np.ndim(self.value)
+            if self.cotangent is not None:
+                cot = np.asarray(self.cotangent, np.float64)
+                d["pullback"] = self._map_floats(lambda j: np.tensordot(cot, j, axes=ny), self.jacobian)
+            if self.tangent is not None:
+                total = np.zeros(np.shape(self.value))
+                jl = optree.tree_flatten(self.x, none_is_leaf=True)[1].flatten_up_to(self.jacobian)
+                tl = optree.tree_flatten(self.x, none_is_leaf=True)[1].flatten_up_to(self.tangent)
+                for a, j, t in zip(x_leaves, jl, tl):
+                    if _is_float_leaf(a):
+                        total = total + np.tensordot(j, np.asarray(t, np.float64), axes=np.ndim(a))
+                d["pushforward"] = total
+        if self.hessian is not None and self.tangent is not None and _is_float_leaf(self.x):
+            n = int(np.size(self.x))
+            h = np.reshape(self.hessian, (n, n))
+            d["hvp"] = np.reshape(h @ np.reshape(np.asarray(self.tangent, np.float64), n), np.shape(self.x))
+
+    def _available(self) -> tuple[str, ...]:
+        ops = []
+        have = {p: self.reference(p) is not None for p in ("gradient", "pullback", "pushforward", "hvp")}
+        if have["gradient"]:
+            ops.append("gradient")
+            if self.value is not None:
+                ops.append("value_and_gradient")
+        if have["pullback"] and self.value is not None:
+            ops.append("pullback")
+        if have["pushforward"] and self.value is not None:
+            ops.append("pushforward")
+        if self.derivative is not None:
+            ops.append("derivative")
+        if self.jacobian is not None:
+            ops.append("jacobian")
+        if self.hessian is not None and _is_float_leaf(self.x):
+            ops.append("hessian")
+        if have["hvp"] and self.tangent is not None:
+            ops.append("hvp")
+        return tuple(op for op in OPERATORS if op in ops)
+
+
+def _tree_dot(s: Scenario, a: Any, b: Any) -> np.ndarray:
+    treedef = optree.tree_flatten(s.x, none_is_leaf=True)[1]
+    total = 0.0
+    leaves = optree.tree_leaves(s.x, none_is_leaf=True)
+    for leaf, u, v in zip(leaves, treedef.flatten_up_to(a), treedef.flatten_up_to(b)):
+        if _is_float_leaf(leaf):
+            total += float(np.sum(np.asarray(u, np.float64) * np.asarray(v, np.float64)))
+    return np.asarray(total)
+
+
+# --------------------------------------------------------------------------- builders
+# Each builder takes a dtype name and returns a Scenario.  Inputs are drawn in float64
+# and cast; references use the cast values upcast to float64 (``_up``).
+
+
+def _ar() -> Any:
+    from autoray import numpy as anp
+
+    return anp
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _up(tree: Any) -> Any:
+    return optree.tree_map(lambda a: np.asarray(a, np.float64) if _is_float_leaf(a) else a, tree, none_is_leaf=True)
+
+
+def _tangent_like(x: Any, rng: np.random.Generator) -> Any:
+    """Random float leaves shaped like ``x``; non-float leaves kept as they are."""
+    return optree.tree_map(
+        lambda a: rng.uniform(-1, 1, np.shape(a)).astype(a.dtype) if _is_float_leaf(a) else a, x, none_is_leaf=True
+    )
+
+
+def _scalar_input(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        return anp.sin(x) * x**2
+
+    x = np.asarray(0.7, dtype=dt)
+    u = float(x)
+    d1 = math.cos(u) * u**2 + 2 * u * math.sin(u)
+    d2 = (2 - u**2) * math.sin(u) + 4 * u * math.cos(u)
+    t = np.asarray(-0.6, dtype=dt)
+    return Scenario(
+        "scalar_input", f, x, value=np.asarray(math.sin(u) * u**2), gradient=np.asarray(d1),
+        derivative=np.asarray(d1), jacobian=np.asarray(d1), hessian=np.asarray(d2), tangent=t,
+        description="scalar x, scalar output: every operator",
+    )
+
+
+def _scalar_to_vector(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x, c):
+        return anp.sin(x) * c + x**2
+
+    x = np.asarray(0.3, dtype=dt)
+    c = np.asarray([1.0, -2.0, 0.5], dtype=dt)
+    u, cu = float(x), _up(c)
+    d = math.cos(u) * cu + 2 * u
+    return Scenario(
+        "scalar_to_vector", f, x, (c,), value=math.sin(u) * cu + u**2, derivative=d, jacobian=d,
+        tangent=np.asarray(1.3, dtype=dt), cotangent=np.asarray([0.2, -1.0, 0.7], dtype=dt),
+        description="scalar x, vector output with data in args: derivative, jacobian",
+    )
+
+
+def _sum_squares(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        return anp.sum(x**2)
+
+    rng = _rng(1)
+    x = rng.uniform(-2, 2, 5).astype(dt)
+    u = _up(x)
+    return Scenario(
+        "sum_squares", f, x, value=np.sum(u**2), gradient=2 * u, hessian=2 * np.eye(5),
+        tangent=_tangent_like(x, rng), description="array x, polynomial",
+    )
+
+
+def _transcendental(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        return anp.sum(anp.exp(x) * anp.sin(x) + anp.log(1.0 + x**2) + anp.tanh(x) + anp.sqrt(1.0 + x**2))
+
+    rng = _rng(2)
+    x = rng.uniform(-1.5, 1.5, 6).astype(dt)
+    u = _up(x)
+    s = np.sqrt(1 + u**2)
+    th = np.tanh(u)
+    value = np.sum(np.exp(u) * np.sin(u) + np.log(1 + u**2) + th + s)
+    grad = np.exp(u) * (np.sin(u) + np.cos(u)) + 2 * u / (1 + u**2) + (1 - th**2) + u / s
+    hdiag = 2 * np.exp(u) * np.cos(u) + 2 * (1 - u**2) / (1 + u**2) ** 2 - 2 * th * (1 - th**2) + 1 / s**3
+    return Scenario(
+        "elementwise_transcendental", f, x, value=value, gradient=grad, hessian=np.diag(hdiag),
+        tangent=_tangent_like(x, rng), description="exp, sin, log, tanh, sqrt",
+    )
+
+
+def _reductions(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        return anp.sum(anp.sum(x, axis=0) ** 2) + anp.mean(x**3) + anp.prod(1.0 + 0.1 * x)
+
+    rng = _rng(3)
+    x = rng.uniform(-1, 1, (3, 4)).astype(dt)
+    u = _up(x)
+    col = u.sum(axis=0)
+    p = np.prod(1 + 0.1 * u)
+    w = 1 / (1 + 0.1 * u)
+    value = np.sum(col**2) + np.mean(u**3) + p
+    grad = 2 * np.broadcast_to(col, u.shape) + 3 * u**2 / u.size + 0.1 * p * w
+    wf = w.reshape(-1)
+    h = 2 * np.kron(np.ones((3, 3)), np.eye(4)) + np.diag(6 * u.reshape(-1) / u.size)
+    h += 0.01 * p * (np.outer(wf, wf) - np.diag(wf**2))
+    return Scenario(
+        "reductions", f, x, value=value, gradient=grad, hessian=h.reshape(3, 4, 3, 4),
+        tangent=_tangent_like(x, rng), description="sum over an axis, mean, prod on a matrix",
+    )
+
+
+def _matmul(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(w, a, b):
+        return anp.sum((a @ w - b) ** 2)
+
+    rng = _rng(4)
+    w = rng.uniform(-1, 1, (3, 2)).astype(dt)
+    a = rng.uniform(-1, 1, (5, 3)).astype(dt)
+    b = rng.uniform(-1, 1, (5, 2)).astype(dt)
+    uw, ua, ub = _up(w), _up(a), _up(b)
+    r = ua @ uw - ub
+    gram = ua.T @ ua
+    hess = 2 * np.einsum("ac,bd->abcd", gram, np.eye(2))
+    return Scenario(
+        "matmul_least_squares", f, w, (a, b), value=np.sum(r**2), gradient=2 * ua.T @ r, hessian=hess,
+        tangent=_tangent_like(w, rng), description="matrix x, matmul with data in args",
+    )
+
+
+def _logsumexp(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x, shift):
+        z = x + shift
+        m = anp.max(z)
+        return m + anp.log(anp.sum(anp.exp(z - m))) - shift
+
+    # A shift past log(finfo.max) makes the naive exp overflow: only the max-shifted
+    # formula is finite, and its gradient must still be softmax(x).
+    shift = np.asarray(math.floor(math.log(float(np.finfo(dt).max))) + 10.0, dtype=dt)
+    rng = _rng(5)
+    x = rng.uniform(-2, 2, 6).astype(dt)
+    u = _up(x)
+    p = np.exp(u - u.max()) / np.sum(np.exp(u - u.max()))
+    value = u.max() + np.log(np.sum(np.exp(u - u.max())))
+    return Scenario(
+        "logsumexp", f, x, (shift,), value=value, gradient=p, hessian=np.diag(p) - np.outer(p, p),
+        tangent=_tangent_like(x, rng), description="max-shifted logsumexp where the naive one overflows",
+    )
+
+
+def _mlp_grad(params: dict, xs: np.ndarray, ys: np.ndarray) -> tuple[Any, dict]:
+    # Written with operations valid on complex arrays: the hvp reference is the complex
+    # step of this gradient (exact to rounding for analytic functions).
+    w1, b1 = params["hidden"]["w"], params["hidden"]["b"]
+    w2, b2 = params["out"]["w"], params["out"]["b"]
+    h = np.tanh(xs @ w1 + b1)
+    out = h @ w2 + b2
+    r = out - ys
+    loss = np.sum(r**2) / r.size
+    dout = 2 * r / r.size
+    dz = (dout @ w2.T) * (1 - h**2)
+    grads = {"hidden": {"w": xs.T @ dz, "b": dz.sum(axis=0)}, "out": {"w": h.T @ dout, "b": dout.sum(axis=0)}}
+    return loss, grads
+
+
+def _mlp(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(params, xs, ys):
+        h = anp.tanh(xs @ params["hidden"]["w"] + params["hidden"]["b"])
+        out = h @ params["out"]["w"] + params["out"]["b"]
+        return anp.mean((out - ys) ** 2)
+
+    rng = _rng(6)
+    params = {
+        "hidden": {"w": rng.normal(0, 0.7, (3, 4)).astype(dt), "b": rng.normal(0, 0.1, 4).astype(dt)},
+        "out": {"w": rng.normal(0, 0.7, (4, 2)).astype(dt), "b": rng.normal(0, 0.1, 2).astype(dt)},
+    }
+    xs = rng.normal(0, 1, (8, 3)).astype(dt)
+    ys = rng.normal(0, 1, (8, 2)).astype(dt)
+    tangent = _tangent_like(params, rng)
+    up, uxs, uys = _up(params), _up(xs), _up(ys)
+    loss, grads = _mlp_grad(up, uxs, uys)
+    step = 1e-30
+    moved = optree.tree_map(lambda p, t: p + 1j * step * np.asarray(t, np.float64), up, tangent)
+    hvp = optree.tree_map(lambda g: np.imag(g) / step, _mlp_grad(moved, uxs, uys)[1])
+    return Scenario(
+        "mlp_loss", f, params, (xs, ys), value=loss, gradient=grads, hvp=hvp, tangent=tangent,
+        description="two-layer tanh MLP, mean squared error, nested dict parameters",
+    )
+
+
+def _pytree_mixed(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        a, (b, p) = x["a"], x["b"]
+        t = anp.take(a, x["index"], axis=0)
+        return anp.sum(a**p) / p + anp.sum(t) * anp.sum(anp.sin(b))
+
+    rng = _rng(7)
+    x = {
+        "a": rng.uniform(0.5, 1.5, 3).astype(dt),
+        "b": (rng.uniform(-1, 1, (2, 2)).astype(dt), 3),
+        "index": np.array([2, 0, 2], dtype=np.int64),
+        "nothing": None,
+        "unused": rng.uniform(-1, 1, 2).astype(dt),
+    }
+    a, b, p = _up(x["a"]), _up(x["b"][0]), 3
+    count = np.bincount(x["index"], minlength=3).astype(np.float64)
+    tsum, ssum = np.sum(a[x["index"]]), np.sum(np.sin(b))
+    grad = {"a": a ** (p - 1) + ssum * count, "b": (tsum * np.cos(b), None), "index": None, "nothing": None,
+            "unused": np.zeros(2)}
+    tangent = _tangent_like(x, rng)
+    va, vb = _up(tangent["a"]), _up(tangent["b"][0])
+    hvp = {
+        "a": (p - 1) * a ** (p - 2) * va + count * np.sum(np.cos(b) * vb),
+        "b": (np.cos(b) * np.sum(count * va) - tsum * np.sin(b) * vb, None),
+        "index": None, "nothing": None, "unused": np.zeros(2),
+    }
+    return Scenario(
+        "pytree_mixed", f, x, value=np.sum(a**p) / p + tsum * ssum, gradient=grad, hvp=hvp, tangent=tangent,
+        description="dict/tuple pytree with an int leaf, an int array, None and an unused float leaf",
+    )
+
+
+def _nested_tuple(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        u, (c, w) = x[0], x[1]
+        return c * anp.sum(u**2) + anp.sum(anp.exp(w)) * c**2
+
+    rng = _rng(8)
+    x = (rng.uniform(-1, 1, 3).astype(dt), [np.asarray(0.8, dtype=dt), rng.uniform(-1, 1, 2).astype(dt)])
+    u, c, w = _up(x[0]), float(x[1][0]), _up(x[1][1])
+    ew = np.exp(w)
+    tangent = _tangent_like(x, rng)
+    tu, tc, tw = _up(tangent[0]), float(tangent[1][0]), _up(tangent[1][1])
+    grad = (2 * c * u, [np.asarray(np.sum(u**2) + 2 * c * np.sum(ew)), c**2 * ew])
+    hvp = (
+        2 * c * tu + 2 * u * tc,
+        [
+            np.asarray(2 * np.sum(u * tu) + 2 * np.sum(ew) * tc + 2 * c * np.sum(ew * tw)),
+            2 * c * ew * tc + c**2 * ew * tw,
+        ],
+    )
+    return Scenario(
+        "nested_tuple", f, x, value=c * np.sum(u**2) + np.sum(ew) * c**2, gradient=grad, hvp=hvp, tangent=tangent,
+        description="tuple holding a list with a 0-d leaf: mixed second derivatives",
+    )
+
+
+def _unconnected_vector(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        return anp.tanh(x["used"]) * 2.0
+
+    rng = _rng(9)
+    x = {"used": rng.uniform(-1, 1, 3).astype(dt), "unused": rng.uniform(-1, 1, 2).astype(dt)}
+    u = _up(x["used"])
+    jac = {"used": np.diag(2 * (1 - np.tanh(u) ** 2)), "unused": np.zeros((3, 2))}
+    return Scenario(
+        "unconnected_vector", f, x, value=2 * np.tanh(u), jacobian=jac, tangent=_tangent_like(x, rng),
+        cotangent=rng.uniform(-1, 1, 3).astype(dt), description="vector output; one leaf does not affect it (zeros)",
+    )
+
+
+def _vector_output(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x, a):
+        return anp.sum(a * anp.tanh(x), axis=1) + x[0] * x[2]
+
+    rng = _rng(10)
+    x = rng.uniform(-1, 1, 3).astype(dt)
+    a = rng.uniform(-1, 1, (4, 3)).astype(dt)
+    u, ua = _up(x), _up(a)
+    jac = ua * (1 - np.tanh(u) ** 2)
+    jac[:, 0] += u[2]
+    jac[:, 2] += u[0]
+    return Scenario(
+        "vector_output", f, x, (a,), value=np.sum(ua * np.tanh(u), axis=1) + u[0] * u[2], jacobian=jac,
+        tangent=_tangent_like(x, rng), cotangent=rng.uniform(-1, 1, 4).astype(dt),
+        description="R^3 -> R^4 with broadcasting and indexing",
+    )
+
+
+def _matrix_output(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(w, a):
+        return anp.sin(a @ w)
+
+    rng = _rng(11)
+    w = rng.uniform(-1, 1, (3, 2)).astype(dt)
+    a = rng.uniform(-1, 1, (4, 3)).astype(dt)
+    uw, ua = _up(w), _up(a)
+    z = ua @ uw
+    jac = np.einsum("ik,ia,kb->ikab", np.cos(z), ua, np.eye(2))
+    return Scenario(
+        "matrix_output", f, w, (a,), value=np.sin(z), jacobian=jac, tangent=_tangent_like(w, rng),
+        cotangent=rng.uniform(-1, 1, (4, 2)).astype(dt), description="matrix -> matrix through matmul",
+    )
+
+
+def _rosenbrock(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        return anp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
+
+    rng = _rng(12)
+    x = rng.uniform(-1.2, 1.2, 4).astype(dt)
+    u = _up(x)
+    n = u.size
+    value = np.sum(100 * (u[1:] - u[:-1] ** 2) ** 2 + (1 - u[:-1]) ** 2)
+    g = np.zeros(n)
+    g[:-1] += -400 * u[:-1] * (u[1:] - u[:-1] ** 2) - 2 * (1 - u[:-1])
+    g[1:] += 200 * (u[1:] - u[:-1] ** 2)
+    h = np.zeros((n, n))
+    for i in range(n):
+        if i < n - 1:
+            h[i, i] += 1200 * u[i] ** 2 - 400 * u[i + 1] + 2
+            h[i, i + 1] = h[i + 1, i] = -400 * u[i]
+        if i > 0:
+            h[i, i] += 200
+    return Scenario(
+        "rosenbrock", f, x, value=value, gradient=g, hessian=h, tangent=_tangent_like(x, rng),
+        description="second order with off-diagonal Hessian terms and slicing",
+    )
+
+
+_BUILDERS: tuple[Callable[[str], Scenario], ...] = (
+    _scalar_input,
+    _scalar_to_vector,
+    _sum_squares,
+    _transcendental,
+    _reductions,
+    _matmul,
+    _logsumexp,
+    _mlp,
+    _pytree_mixed,
+    _nested_tuple,
+    _unconnected_vector,
+    _vector_output,
+    _matrix_output,
+    _rosenbrock,
+)
+
+DTYPES: tuple[str, ...] = ("float64", "float32")
+
+
+def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str] | None = None) -> list[Scenario]:
+    """The built-in scenarios, one per (definition, dtype).
+
+    ``default_scenarios(dtypes=("float64", "float32"), names=None) -> list[Scenario]``;
+    ``names`` selects scenarios by their base name.
+
+    Example:
+        >>> [s.id for s in default_scenarios("float32", names=["rosenbrock"])]
+        ['rosenbrock[float32]']
+    """
+    if isinstance(dtypes, str):
+        dtypes = (dtypes,)
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise ValueError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
+    out = [build(dt) for dt in dtypes for build in _BUILDERS]
+    if names is not None:
+        known = {s.name for s in out}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(f"unknown scenario names {unknown}; known: {sorted(known)}")
+        out = [s for s in out if s.name in names]
+    return out
+
+
+def scenario_names() -> list[str]:
+    """Base names of the built-in scenarios."""
+    return [s.name for s in default_scenarios("float64")]
