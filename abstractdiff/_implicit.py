@@ -13,7 +13,11 @@ when their module is already loaded (a torch tensor cannot exist otherwise).
 Running an explicit ``f(x, *args)`` implicitly (what the conformance suite does)::
 
     vs = ad.variables(x, b)                     # the same tree, of b's variables
-    g = ad.gradient(ad.Implicit(b), lambda: f(current_values(vs), *args), ad.Params(vs))
+    g = ad.gradient(ad.Implicit(b), lambda *a: f(current_values(vs), *a), ad.Params(vs), *args)
+
+(``args`` passed through the operator become native arrays, as in explicit mode; read
+the gradient back as a tree with ``optree.tree_map(lambda v: g[v] if v in ps else
+None, vs)``.)
 """
 
 from __future__ import annotations

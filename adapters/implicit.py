@@ -183,6 +183,13 @@ class Implicit(Backend):
             )
         return x
 
+    def _native(self, args: tuple) -> tuple:
+        # array leaves of args become native arrays, as in explicit mode (the generic
+        # route gets this from the inner backend)
+        if not args:
+            return args
+        return optree.tree_map(lambda a: self.inner.convert(a) if is_array(a) else a, args)
+
     def _wrapper(self, f: Callable[..., Any], boxes: list[Variable]) -> _Swapped:
         owner = getattr(f, "__self__", None)
         func = getattr(f, "__func__", f) if owner is not None else f
@@ -208,9 +215,9 @@ class Implicit(Backend):
         if not callable(f):
             raise TypeError(f"f must be callable, got {type(f).__name__}")
         if ps.kind == TORCH:
-            y, aux, grads = _torch_value_and_gradient(f, list(ps), args, has_aux)
+            y, aux, grads = _torch_value_and_gradient(f, list(ps), self._native(args), has_aux)
         elif ps.kind == TENSORFLOW:
-            y, aux, grads = _tf_value_and_gradient(f, list(ps), args, has_aux)
+            y, aux, grads = _tf_value_and_gradient(f, list(ps), self._native(args), has_aux)
         else:
             w = self._wrapper(f, list(ps))
             _, boxes, extra = w.boxes()
@@ -227,9 +234,9 @@ class Implicit(Backend):
         if not callable(f):
             raise TypeError(f"f must be callable, got {type(f).__name__}")
         if ps.kind == TORCH:
-            y, vjp = _torch_value_and_pullback(f, list(ps), args)
+            y, vjp = _torch_value_and_pullback(f, list(ps), self._native(args))
         elif ps.kind == TENSORFLOW:
-            y, vjp = _tf_value_and_pullback(f, list(ps), args)
+            y, vjp = _tf_value_and_pullback(f, list(ps), self._native(args))
         else:
             w = self._wrapper(f, list(ps))
             _, boxes, extra = w.boxes()
