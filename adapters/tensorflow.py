@@ -49,6 +49,13 @@ def _traced_value_error(err: BaseException) -> TracedControlFlowError | None:
     return None
 
 
+def _check_scalar(y: Any, operator: str) -> None:
+    # at trace time, before the tape is asked; a shape left unknown by the user's own
+    # tf.function (nested use) cannot be checked here
+    if y.shape.is_fully_defined():
+        check_scalar(y, operator)
+
+
 def _watched(tape: tf.GradientTape, xs: list) -> list:
     tape.watch(xs)
     return xs
@@ -157,7 +164,7 @@ class TensorFlowBackend(Backend):
     def _gradient(self, fn: Any, xs: list, data: list) -> tuple:
         with tf.GradientTape() as tape:
             y, aux = self._call(fn, _watched(tape, xs), data)
-            check_scalar(y)  # at trace time, before the tape is asked
+            _check_scalar(y, "gradient")
         return (y, tape.gradient(y, xs, unconnected_gradients=_ZERO)), aux
 
     def _vjp(self, fn: Any, xs: list, data: list, dy: list) -> tuple:
@@ -179,7 +186,7 @@ class TensorFlowBackend(Backend):
         with tf.GradientTape() as outer:
             with tf.GradientTape() as inner:
                 y, _ = self._call(fn, _watched(inner, _watched(outer, xs)), data)
-                check_scalar(y, "hessian")
+                _check_scalar(y, "hessian")
             (g,) = inner.gradient(y, xs, unconnected_gradients=_ZERO)
         return outer.jacobian(g, xs[0], unconnected_gradients=_ZERO), None
 
@@ -188,7 +195,7 @@ class TensorFlowBackend(Backend):
         with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
             with tf.GradientTape() as tape:
                 y, _ = self._call(fn, _watched(tape, xs), data)
-                check_scalar(y, "hvp")
+                _check_scalar(y, "hvp")
             grads = tape.gradient(y, xs, unconnected_gradients=_ZERO)
         return [acc.jvp(g, unconnected_gradients=_ZERO) for g in grads], None
 

@@ -227,6 +227,12 @@ def test_unconnected_leaf_is_zeros_not_none(backend):
     # a constant function: every leaf unconnected
     g0 = ad.gradient(backend, lambda x: anp.sum(x["used"] * 0.0) + 1.0, x)
     np.testing.assert_array_equal(ad.to_numpy(g0["used"]), np.zeros(2))
+    # second order and jacobians of functions with no curvature / no dependence
+    w = np.array([1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(ad.to_numpy(ad.hessian(backend, lambda x: anp.sum(3.0 * x), w)), np.zeros((3, 3)))
+    np.testing.assert_array_equal(ad.to_numpy(ad.hvp(backend, lambda x: anp.sum(3.0 * x), w, w)), np.zeros(3))
+    jac = ad.jacobian(backend, lambda x: anp.sum(x["used"]) * anp.ones(2), x)
+    np.testing.assert_array_equal(ad.to_numpy(jac["unused"]), np.zeros((2, 3)))
 
 
 @pytest.mark.parametrize("backend", [TF, EAGER], ids=["compiled", "eager"])
