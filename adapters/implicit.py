@@ -183,12 +183,22 @@ class Implicit(Backend):
             )
         return x
 
-    def _native(self, args: tuple) -> tuple:
+    def _native(self, args: tuple, params: Params) -> tuple:
         # array leaves of args become native arrays, as in explicit mode (the generic
-        # route gets this from the inner backend)
+        # route gets this from the inner backend); numpy data of a torch model goes to
+        # the model's device, so Implicit("torch") works for a model moved to a GPU
         if not args:
             return args
-        return optree.tree_map(lambda a: self.inner.convert(a) if is_array(a) else a, args)
+        inner = self.inner
+        device = params[0].device if params.kind == TORCH else None
+
+        def native(a: Any) -> Any:
+            if not is_array(a) or inner.is_native(a):
+                return a
+            a = inner.convert(a)
+            return a.to(device) if device is not None and a.device != device else a
+
+        return optree.tree_map(native, args)
 
     def _wrapper(self, f: Callable[..., Any], boxes: list[Variable]) -> _Swapped:
         owner = getattr(f, "__self__", None)
@@ -215,9 +225,9 @@ class Implicit(Backend):
         if not callable(f):
             raise TypeError(f"f must be callable, got {type(f).__name__}")
         if ps.kind == TORCH:
-            y, aux, grads = _torch_value_and_gradient(f, list(ps), self._native(args), has_aux)
+            y, aux, grads = _torch_value_and_gradient(f, list(ps), self._native(args, ps), has_aux)
         elif ps.kind == TENSORFLOW:
-            y, aux, grads = _tf_value_and_gradient(f, list(ps), self._native(args), has_aux)
+            y, aux, grads = _tf_value_and_gradient(f, list(ps), self._native(args, ps), has_aux)
         else:
             w = self._wrapper(f, list(ps))
             _, boxes, extra = w.boxes()
@@ -234,9 +244,9 @@ class Implicit(Backend):
         if not callable(f):
             raise TypeError(f"f must be callable, got {type(f).__name__}")
         if ps.kind == TORCH:
-            y, vjp = _torch_value_and_pullback(f, list(ps), self._native(args))
+            y, vjp = _torch_value_and_pullback(f, list(ps), self._native(args, ps))
         elif ps.kind == TENSORFLOW:
-            y, vjp = _tf_value_and_pullback(f, list(ps), self._native(args))
+            y, vjp = _tf_value_and_pullback(f, list(ps), self._native(args, ps))
         else:
             w = self._wrapper(f, list(ps))
             _, boxes, extra = w.boxes()

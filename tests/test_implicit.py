@@ -253,6 +253,34 @@ def test_torch_variables_are_fresh_leaves(torch):
     np.testing.assert_array_equal(x, [1.0, 2.0])  # not sharing the caller's memory
 
 
+def test_torch_has_aux_args_and_boxes_on_inner_torch(torch):
+    w = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    b = ad.Implicit("torch")
+    (y, aux), gs = ad.value_and_gradient(
+        b, lambda a: ((a * w**2).sum(), {"w2": w**2}), ad.Params([w]), np.array(3.0), has_aux=True
+    )
+    assert not aux["w2"].requires_grad  # aux comes back detached: no graph kept alive
+    np.testing.assert_array_equal(gs[w].numpy(), [6.0, 12.0])
+    box = ad.Variable(torch.tensor([1.0, 2.0], dtype=torch.float64))  # the generic route on torch
+    gs = ad.gradient(b, lambda: (box.value**3).sum(), ad.Params([box]))
+    np.testing.assert_allclose(gs[box].numpy(), [3.0, 12.0], rtol=1e-12)
+    assert not box.value.requires_grad
+
+
+@pytest.mark.gpu
+def test_torch_model_on_gpu_gets_numpy_data_on_its_device(torch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible to torch here")
+    model = _torch_model(torch).cuda()
+    x = np.random.default_rng(0).normal(size=(5, 4))
+    gs = ad.gradient(ad.Implicit("torch"), lambda data: model(data).sum(), ad.Params(model), x)
+    cpu = copy.deepcopy(model).cpu()
+    cpu(torch.as_tensor(x)).sum().backward()
+    for p, q in zip(model.parameters(), cpu.parameters()):
+        assert gs[p].device == p.device
+        assert_close(gs[p].cpu().numpy(), q.grad.numpy(), 1e-10)  # GPU differs in the last bits
+
+
 # --------------------------------------------------------- tensorflow/keras
 @pytest.fixture
 def tf():
