@@ -521,15 +521,14 @@ def compare_reports(
     reports: Sequence[Report],
     *,
     rtol: float | dict[str, float] | None = None,
-    tolerances: dict[str, float] | None = None,
     title: str | None = None,
 ) -> Report:
     """Pairwise agreement of the outputs stored in ``reports`` (from :func:`check_backend`).
 
     ``rtol`` is one tolerance or one per dtype; by default each pair uses the sum of
-    its two backends' tolerances (``tolerances`` maps report labels to "approximate"
-    flags via :func:`default_rtol`, computed by :func:`compare_backends`).
+    the tolerances its two backends were checked with.
     """
+    own = [{(r.scenario, r.operator): r.rtol for r in rep.results} for rep in reports]
     labels = [f"{r.backend}@{r.device}" if len({x.device for x in reports}) > 1 else r.backend for r in reports]
     device = ",".join(sorted({r.device for r in reports}))
     out = Report(" vs ".join(labels), device, title=title or f"abstractdiff agreement: {', '.join(labels)}")
@@ -548,8 +547,7 @@ def compare_reports(
                 elif rtol is not None:
                     tol = float(rtol)
                 else:
-                    tol = (tolerances or {}).get(f"{i}:{dtype}:{op}", 1e-9) + (tolerances or {}).get(
-                        f"{j}:{dtype}:{op}", 1e-9)
+                    tol = own[i].get((scen, op), 1e-9) + own[j].get((scen, op), 1e-9)
                 problems: list[str] = []
                 worst: float | None = None
                 for side, rep in ((labels[i], a), (labels[j], c)):
@@ -598,13 +596,9 @@ def compare_backends(
     bs = [get_backend(b) for b in backends]
     if len(bs) < 2:
         raise ValueError(f"compare_backends needs at least two backends, got {len(bs)}")
-    scenarios = default_scenarios() if scenarios is None else list(scenarios)
     if reports is None:
+        scenarios = default_scenarios() if scenarios is None else list(scenarios)
         reports = [check_backend(b, scenarios) for b in bs]
-    tolerances = {
-        f"{k}:{s.dtype}:{op}": default_rtol(b, s.dtype, op)
-        for k, b in enumerate(bs)
-        for s in scenarios
-        for op in OPERATORS
-    }
-    return compare_reports(reports, rtol=rtol, tolerances=tolerances)
+    elif len(reports) != len(bs):
+        raise ValueError(f"got {len(reports)} reports for {len(bs)} backends; pass one report per backend, in order")
+    return compare_reports(reports, rtol=rtol)

@@ -66,7 +66,7 @@ class Scenario:
         >>> s = Scenario("square", lambda x: anp.sum(x**2), np.array([1.0, 2.0]),
         ...              value=5.0, gradient=np.array([2.0, 4.0]))
         >>> s.operators, s.dtype, s.id
-        (('gradient', 'value_and_gradient'), 'float64', 'square[float64]')
+        (('gradient', 'value_and_gradient', 'pullback'), 'float64', 'square[float64]')
     """
 
     name: str
@@ -562,11 +562,23 @@ _BUILDERS: tuple[Callable[[str], Scenario], ...] = (
 DTYPES: tuple[str, ...] = ("float64", "float32")
 
 
+_CACHE: dict[str, list[Scenario]] = {}
+
+
+def _built(dtype: str) -> list[Scenario]:
+    # Built once per process: compiling backends (jax, tensorflow) cache their traces per
+    # function object, so reusing the scenarios' functions makes a second check cheap.
+    if dtype not in _CACHE:
+        _CACHE[dtype] = [build(dtype) for build in _BUILDERS]
+    return _CACHE[dtype]
+
+
 def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str] | None = None) -> list[Scenario]:
     """The built-in scenarios, one per (definition, dtype).
 
     ``default_scenarios(dtypes=("float64", "float32"), names=None) -> list[Scenario]``;
-    ``names`` selects scenarios by their base name.
+    ``names`` selects scenarios by their base name.  The scenario objects are built
+    once per process and shared (treat them as read-only).
 
     Example:
         >>> [s.id for s in default_scenarios("float32", names=["rosenbrock"])]
@@ -577,7 +589,7 @@ def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str]
     for dt in dtypes:
         if dt not in DTYPES:
             raise ValueError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
-    out = [build(dt) for dt in dtypes for build in _BUILDERS]
+    out = [s for dt in dtypes for s in _built(dt)]
     if names is not None:
         known = {s.name for s in out}
         unknown = sorted(set(names) - known)

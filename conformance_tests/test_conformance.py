@@ -1,0 +1,57 @@
+"""Every default scenario and operator on every backend, device, dtype and mode.
+
+One test per (backend, device, dtype): compiling backends (jax, tensorflow) compile each
+new function, so the scenarios run together inside one test, and a failure lists every
+(scenario, operator) that went wrong with the report table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from abstractdiff.testing import _grid, compare_reports
+
+#: Known gaps: (backend label, scenario name, operator) -> reason.  Applied strictly: a
+#: listed gap that passes fails the run, so a fix is noticed and the entry removed.
+#: The label is "torch", "implicit(torch)", or "torch@gpu" for GPU-only gaps; the
+#: scenario is a base name ("mlp_loss") or one dtype of it ("mlp_loss[float32]").
+XFAILS: dict[tuple[str, str, str], str] = {}
+
+
+def test_backend_loads(request: pytest.FixtureRequest, ad_backend_name: str) -> None:
+    """A backend asked for in ABSTRACTDIFF_BACKENDS must load; nothing is skipped silently."""
+    required = _grid.backend_names(request.config)[1]
+    assert _grid.load(_grid.Case(ad_backend_name, "cpu", "float64", required)).name
+
+
+def test_explicit(ad_case: _grid.Case) -> None:
+    """Analytic references; on a GPU also the CPU results (float32 rtol 1e-5, float64 1e-10)."""
+    b = _grid.load(ad_case)
+    report = _grid.report_for(b, ad_case.dtype)
+    _grid.assert_report(report, XFAILS)
+    if ad_case.device != "cpu":
+        cpu_case = _grid.Case(ad_case.backend, "cpu", ad_case.dtype, ad_case.required)
+        cpu = _grid.report_for(_grid.load(cpu_case), ad_case.dtype)
+        _grid.assert_report(_grid.device_comparison(cpu, report), XFAILS)
+
+
+def test_implicit(ad_implicit_case: _grid.Case) -> None:
+    """The scenarios through ad.Implicit(backend), with x turned into variables."""
+    report = _grid.report_for(_grid.load(ad_implicit_case), ad_implicit_case.dtype)
+    _grid.assert_report(report, XFAILS)
+
+
+def test_backends_agree(request: pytest.FixtureRequest, ad_dtype: str) -> None:
+    """compare_backends across every available backend, explicit and implicit, on the CPU."""
+    names, required = _grid.backend_names(request.config)
+    reports = []
+    for implicit in (False, True):
+        for name in names:
+            case = _grid.Case(name, "cpu", ad_dtype, required, implicit)
+            try:
+                reports.append(_grid.report_for(_grid.load(case), ad_dtype))
+            except pytest.skip.Exception:
+                continue  # reported by test_explicit / test_implicit for that case
+    if len(reports) < 2:
+        pytest.skip(f"needs two backends to compare, found {[r.backend for r in reports]}")
+    _grid.assert_report(compare_reports(reports), XFAILS)
