@@ -83,14 +83,12 @@ class TensorFlowBackend(Backend):
     def normalise_device(self, device: str | None) -> str:
         if device is None:
             return "cpu"
-        match = _DEVICE.match(str(device).strip().lower())
         available = self.devices()
+        match = _DEVICE.match(str(device).strip().lower())
         if match is not None:
             kind, index = match.groups()
-            name = "cpu" if kind == "cpu" and index in (None, "0") else f"gpu:{index or 0}"
-            if kind != "cpu" and name in available:
-                return name
-            if name == "cpu":
+            name = f"gpu:{index or 0}" if kind != "cpu" else "cpu" if index in (None, "0") else None
+            if name in available:
                 return name
         raise DeviceError(
             f"tensorflow backend: device {device!r} is not available here; available devices: "
@@ -116,9 +114,10 @@ class TensorFlowBackend(Backend):
         cache = getattr(fn, "cache", None)
         if cache is None:
             cache = {}
-        entry = cache.get(("tensorflow", kind))
+        key = ("tensorflow", kind, self.tf_device)  # tracing bakes the device into the graph
+        entry = cache.get(key)
         if entry is None:
-            entry = cache[("tensorflow", kind)] = self._compiled(fn, body)
+            entry = cache[key] = self._compiled(fn, body)
         compiled, statics = entry
         try:
             with tf.device(self.tf_device):

@@ -356,6 +356,12 @@ def test_missing_device_lists_available_ones():
     assert missing in str(info.value)
     with pytest.raises(ad.DeviceError, match="gpu:N"):
         ad.backend("tensorflow", device="tpu")
+    with pytest.raises(ad.DeviceError, match="available devices"):
+        ad.backend("tensorflow", device="cpu:1")
+    if not HAS_GPU:
+        for spelling in ("gpu", "cuda", "cuda:1"):
+            with pytest.raises(ad.DeviceError, match="available devices: cpu"):
+                ad.backend("tensorflow", device=spelling)
 
 
 # ------------------------------------------------------------------ arrays and devices
