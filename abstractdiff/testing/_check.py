@@ -184,7 +184,7 @@ class Report:
         for r in self.results:
             rows.setdefault(r.scenario, {})[r.operator] = r
         width = max([len("scenario")] + [len(s) for s in rows])
-        widths = [max(10, len(op)) for op in ops]
+        widths = [max(12, len(op)) for op in ops]
         head = "scenario".ljust(width) + "  " + "  ".join(op.ljust(w) for op, w in zip(ops, widths))
         lines = [head, "-" * len(head)]
         for scen, cells in rows.items():
@@ -268,7 +268,7 @@ def _compare(
             at = f" at {tuple(int(k) for k in i)}" if i else ""
             problems.append(
                 f"{where}: max relative error {err:.2e} exceeds rtol {rtol:.0e}; worst element{at}: "
-                f"got {o_np[i]!r}, expected {r_np[i]!r}"
+                f"got {o_np[i].item()!r}, expected {r_np[i].item()!r}"
             )
     return worst, problems
 
@@ -340,10 +340,10 @@ def _run_one(
     name = record_as or op
     problems: list[str] = []
     worst: float | None = None
-    if numpy_inputs:
-        inputs = (s.x, s.args, s.tangent, s.cotangent)
-    else:
-        inputs = (_native(b, s.x), _native(b, s.args), _native(b, s.tangent), _native(b, s.cotangent))
+    # A copy, so that a backend that mutates its inputs cannot corrupt the (shared) scenario.
+    inputs = copy.deepcopy((s.x, s.args, s.tangent, s.cotangent))
+    if not numpy_inputs:
+        inputs = tuple(_native(b, part) for part in inputs)
     before = _snapshot(inputs)
     start = time.perf_counter()
     try:
