@@ -101,6 +101,12 @@ class _Swapped:
                     self.extra.append(weakref.ref(box))
 
 
+# Explicit wrappers per (f, boxes), shared by every Implicit instance: the wrapper does
+# not depend on the inner backend (whose own plan cache keys on the wrapper), so a fresh
+# ad.Implicit(b) per step still reuses jax's compiled trace.
+_EXPLICIT: dict[tuple, _Swapped] = {}
+
+
 class Implicit(Backend):
     """``Implicit(inner)``: differentiate ``f()`` with respect to ``ad.Params`` on ``inner``.
 
@@ -132,7 +138,6 @@ class Implicit(Backend):
         self._inner_options = inner_options
         self.options = {"inner": inner, **inner_options}
         self._plans = None
-        self._explicit: dict[tuple, _Swapped] = {}
 
     @property
     def inner(self) -> Backend:
@@ -204,18 +209,18 @@ class Implicit(Backend):
         owner = getattr(f, "__self__", None)
         func = getattr(f, "__func__", f) if owner is not None else f
         key = (id(func), id(owner), *(id(b) for b in boxes))
-        w = self._explicit.get(key)
+        w = _EXPLICIT.get(key)
         if w is not None:
             return w
         w = _Swapped(f, boxes)
         try:
             # drop the entry (and the inner backend's plans for it) when any of them dies
-            drop = lambda _r, key=key: self._explicit.pop(key, None)  # noqa: E731
+            drop = lambda _r, key=key: _EXPLICIT.pop(key, None)  # noqa: E731
             w.refs = [weakref.ref(o, drop) for o in (func, owner, *boxes) if o is not None]  # type: ignore[attr-defined]
         except TypeError:  # f cannot be weakly referenced: use the wrapper once
             w._f = lambda: f
             return w
-        self._explicit[key] = w
+        _EXPLICIT[key] = w
         return w
 
     # ---------------------------------------------------- public operators

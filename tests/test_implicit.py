@@ -371,7 +371,8 @@ def test_jax_repeated_call_does_not_retrace():
     ad.gradient(b, loss, ps, np.array(1.0))
     before = jb.trace_count
     gs = ad.gradient(b, loss, ps, np.array(2.0))  # new data, same shapes: the compiled trace is reused
-    gs2 = ad.gradient(b, loss, ad.Params([w]), np.array(2.0))  # a fresh Params of the same variables too
+    # a fresh Params of the same variables, and a fresh Implicit, reuse it too
+    gs2 = ad.gradient(ad.Implicit(jb), loss, ad.Params([w]), np.array(2.0))
     assert jb.trace_count == before
     assert_close(gs[w], [4.0, 8.0, 12.0], RTOL["float64"])
     assert_close(gs2[w], [4.0, 8.0, 12.0], RTOL["float64"])
@@ -406,3 +407,16 @@ def test_jax_params_refused_by_torch_implicit():
     w = torch.ones(2, requires_grad=True)
     with pytest.raises(TypeError, match=r"holds torch variables but the inner backend is 'jax'"):
         ad.gradient(ad.Implicit("jax"), lambda: w.sum(), ad.Params([w]))
+
+
+def test_cached_explicit_wrappers_do_not_keep_functions_or_variables_alive(fd_implicit):
+    from abstractdiff.adapters import implicit
+
+    w = ad.Variable(np.ones(2))
+    f = lambda: (w.value**2).sum()  # noqa: E731
+    ad.gradient(fd_implicit, f, ad.Params([w]))
+    n = len(implicit._EXPLICIT)
+    assert n >= 1
+    del f
+    gc.collect()
+    assert len(implicit._EXPLICIT) == n - 1
