@@ -89,12 +89,15 @@ def _all_finite(loss: Any, grads: list) -> bool:
     """One synchronisation: ``a * 0`` is 0 where ``a`` is finite and NaN elsewhere, and a
     sum of zeros cannot overflow (unlike a sum of the values themselves)."""
     ar = _ar()
-    grads = [g for g in grads if g is not None]
-    with optim.x64_scope([loss, *grads]):
-        total = loss * 0
-        for g in grads:
-            total = total + ar.do("sum", g * 0)
-        return float(to_numpy(total)) == 0.0
+    arrays = [loss, *(g for g in grads if g is not None)]
+    with optim.x64_scope(arrays):
+        # one total per dtype: tensorflow does not add float32 to float64
+        totals: dict[str, Any] = {}
+        for a in arrays:
+            name = ar.get_dtype_name(a)
+            part = ar.do("sum", a * 0)
+            totals[name] = part if name not in totals else totals[name] + part
+        return all(float(to_numpy(t)) == 0.0 for t in totals.values())
 
 
 def train_step(

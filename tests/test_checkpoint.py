@@ -1,0 +1,268 @@
+"""Checkpoints: round trips on every backend and mode, atomic writes, and refusal of bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import autoray
+import numpy as np
+import pytest
+
+import abstractdiff as ad
+from abstractdiff import optim
+from abstractdiff._implicit import current_values
+
+TARGET = np.array([1.0, -2.0, 3.0])
+
+
+def quadratic(model, c):
+    return autoray.do("sum", (current_values(model)["w"] - c) ** 2)
+
+
+def need(name: str):
+    try:
+        return ad.backend(name)
+    except ad.BackendUnavailableError as err:
+        pytest.skip(str(err))
+
+
+def trained(backend="finite_differences", steps=3, model=None):
+    model = {"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float32), "n": 5} if model is None else model
+    state = optim.setup(optim.chain(optim.ClipNorm(10.0), optim.Adam(0.1)), model)
+    return ad.train(quadratic, model, [(TARGET,)] * steps, state, backend=backend, progress=False)
+
+
+def assert_trees_equal(a, b):
+    la, lb = ad.to_numpy(a), ad.to_numpy(b)
+    import optree
+
+    xa, ta = optree.tree_flatten(la)
+    xb, tb = optree.tree_flatten(lb)
+    assert ta == tb
+    for u, v in zip(xa, xb):
+        if isinstance(u, np.ndarray):
+            assert u.dtype == v.dtype
+            np.testing.assert_array_equal(u, v)
+        else:
+            assert u == v
+
+
+# ------------------------------------------------------------------ round trips
+def test_round_trip_restores_everything_and_training_continues_identically(tmp_path):
+    state, model = trained()
+    path = tmp_path / "ckpt.npz"
+    ad.save_checkpoint(path, state, model)
+    fresh_model = {"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float32), "n": 5}
+    like = (optim.setup(state.rule, fresh_model), fresh_model)
+    s2, m2 = ad.load_checkpoint(path, like=like)
+    assert s2.step == 3 and s2.tree["w"][1][2] == 3  # the step counter and Adam's t
+    assert_trees_equal((s2, m2), (state, model))
+    a = ad.train(quadratic, model, [(TARGET,)] * 2, state, backend="finite_differences", progress=False)
+    b = ad.train(quadratic, m2, [(TARGET,)] * 2, s2, backend="finite_differences", progress=False)
+    assert_trees_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["torch", "jax", "tensorflow", "autograd"])
+def test_round_trip_gives_the_like_leaves_library_and_dtype(tmp_path, name):
+    b = need(name)
+    state, model = trained(b)
+    ad.save_checkpoint(tmp_path / "c.npz", state, model)
+    like_model = {"w": b.convert(np.zeros(3)), "b": b.convert(np.ones((2, 2), dtype=np.float32)), "n": 5}
+    s2, m2 = ad.load_checkpoint(tmp_path / "c.npz", like=(optim.setup(state.rule, like_model), like_model))
+    assert b.is_native(m2["w"]) and b.is_native(s2.tree["w"][1][0])
+    assert ad.to_numpy(m2["w"]).dtype == np.float64 and ad.to_numpy(m2["b"]).dtype == np.float32
+    assert_trees_equal((s2, m2), (state, model))
+
+
+@pytest.mark.parametrize("name", ["finite_differences", "jax", "torch", "tensorflow"])
+def test_implicit_variables_are_assigned_in_place(tmp_path, name):
+    if name != "finite_differences":
+        need(name)
+    b = ad.Implicit(name)
+    vs = ad.variables({"w": np.zeros(3)}, b)
+    state, vs = trained(b, model=vs)
+    ad.save_checkpoint(tmp_path / "c.npz", state, vs)
+    other = ad.variables({"w": np.full(3, 9.0)}, b)
+    box = other["w"]
+    s2, m2 = ad.load_checkpoint(tmp_path / "c.npz", like=(optim.setup(state.rule, other), other))
+    assert m2 is other and other["w"] is box
+    np.testing.assert_array_equal(ad.to_numpy(other)["w"], ad.to_numpy(vs)["w"])
+    assert s2.implicit and s2.step == state.step
+
+
+def test_torch_module_round_trip(tmp_path):
+    need("torch")
+    import torch
+
+    net = torch.nn.Linear(3, 2).double()
+    state = optim.setup(optim.Momentum(0.1), net)
+    ad.save_checkpoint(tmp_path / "net.npz", state, net)
+    other = torch.nn.Linear(3, 2).double()
+    weight = other.weight
+    ad.load_checkpoint(tmp_path / "net.npz", like=(optim.setup(optim.Momentum(0.1), other), other))
+    assert other.weight is weight and other.weight.requires_grad
+    torch.testing.assert_close(other.weight, net.weight, rtol=0, atol=0)
+    torch.testing.assert_close(other.bias, net.bias, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ atomic writes
+def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+    state, model = trained()
+    path = tmp_path / "ckpt.npz"
+    ad.save_checkpoint(path, state, model)
+    before = path.read_bytes()
+    state2, model2 = trained(steps=5)
+    ad.save_checkpoint(path, state2, model2)  # overwriting works
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    after = path.read_bytes()
+    assert after != before
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", fail)
+    with pytest.raises(OSError, match="disk full"):
+        ad.save_checkpoint(path, state, model)
+    assert path.read_bytes() == after, "a failed save must not touch the existing checkpoint"
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+
+
+# ------------------------------------------------------------------ refusing bad files
+def like_of(model=None):
+    model = {"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float32), "n": 5} if model is None else model
+    return optim.setup(optim.chain(optim.ClipNorm(10.0), optim.Adam(0.1)), model), model
+
+
+def test_truncated_file_is_refused(tmp_path):
+    state, model = trained()
+    path = tmp_path / "ckpt.npz"
+    ad.save_checkpoint(path, state, model)
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 10, 30):
+        path.write_bytes(data[:cut])
+        with pytest.raises(ad.CheckpointError, match="truncated"):
+            ad.load_checkpoint(path, like=like_of())
+
+
+def test_truncated_file_does_not_touch_variables(tmp_path):
+    b = ad.Implicit("finite_differences")
+    vs = ad.variables({"w": np.zeros(3)}, b)
+    state, vs = trained(b, model=vs)
+    path = tmp_path / "c.npz"
+    ad.save_checkpoint(path, state, vs)
+    path.write_bytes(path.read_bytes()[:-40])
+    other = ad.variables({"w": np.full(3, 9.0)}, b)
+    with pytest.raises(ad.CheckpointError):
+        ad.load_checkpoint(path, like=(optim.setup(state.rule, other), other))
+    np.testing.assert_array_equal(other["w"].value, np.full(3, 9.0))
+
+
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        (
+            {"w": np.zeros(4), "b": np.ones((2, 2), dtype=np.float32), "n": 5},
+            r"float64\(3,\) in the file but float64\(4,\)",
+        ),
+        ({"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float64), "n": 5}, "float32.* in the file but float64"),
+        ({"w": np.zeros(3), "c": np.ones((2, 2), dtype=np.float32), "n": 5}, "where like has"),
+        ({"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float32)}, "leaves, like has"),
+        ({"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float32), "n": "five"}, "is a int in the file but a str"),
+    ],
+    ids=["shape", "dtype", "key", "missing-leaf", "static-type"],
+)
+def test_mismatched_like_is_refused(tmp_path, model, match):
+    state, saved = trained()
+    ad.save_checkpoint(tmp_path / "c.npz", state, saved)
+    with pytest.raises(ad.CheckpointError, match=match):
+        ad.load_checkpoint(tmp_path / "c.npz", like=like_of(model))
+
+
+def test_a_different_rule_is_refused(tmp_path):
+    state, model = trained()
+    ad.save_checkpoint(tmp_path / "c.npz", state, model)
+    like_model = {"w": np.zeros(3), "b": np.ones((2, 2), dtype=np.float32), "n": 5}
+    with pytest.raises(ad.CheckpointError, match="does not match like"):
+        ad.load_checkpoint(tmp_path / "c.npz", like=(optim.setup(optim.Momentum(), like_model), like_model))
+
+
+def test_mismatch_assigns_no_variable(tmp_path):
+    b = ad.Implicit("finite_differences")
+    saved = ad.variables({"w": np.zeros(3), "v": np.zeros(2)}, b)
+    state = optim.setup(optim.Descent(), saved)
+    ad.save_checkpoint(tmp_path / "c.npz", state, saved)
+    # Params order is v, w: v matches, the later w does not
+    other = ad.variables({"w": np.full(4, 9.0), "v": np.full(2, 9.0)}, b)
+    with pytest.raises(ad.CheckpointError, match=r"model/variable1 is float64\(3,\) in the file but float64\(4,\)"):
+        ad.load_checkpoint(tmp_path / "c.npz", like=(optim.setup(optim.Descent(), other), other))
+    np.testing.assert_array_equal(other["v"].value, np.full(2, 9.0))  # v matched but was not assigned
+
+
+class RunsCode:
+    """Unpickling this creates a file: a stand-in for arbitrary code execution."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_file_that_would_run_code_when_unpickled_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    state, model = trained()
+    good = tmp_path / "good.npz"
+    ad.save_checkpoint(good, state, model)
+    with np.load(good, allow_pickle=False) as f:
+        entries = {k: f[k] for k in f.files}
+    entries["leaf3"] = np.array([RunsCode(str(marker))], dtype=object)  # replace an array by a pickle
+    evil = tmp_path / "evil.npz"
+    with open(evil, "wb") as fh:
+        np.savez(fh, allow_pickle=True, **entries)
+    with pytest.raises(ad.CheckpointError, match="pickled"):
+        ad.load_checkpoint(evil, like=like_of())
+    assert not marker.exists(), "loading must not run code"
+    # the file really is dangerous: numpy with allow_pickle=True would have run it
+    with np.load(evil, allow_pickle=True) as f:
+        f["leaf3"]
+    assert marker.exists()
+
+
+def test_plain_pickle_and_npy_files_are_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    p = tmp_path / "ckpt.pkl"
+    p.write_bytes(pickle.dumps(RunsCode(str(marker))))
+    with pytest.raises(ad.CheckpointError, match="pickled files are refused"):
+        ad.load_checkpoint(p, like=like_of())
+    assert not marker.exists()
+    npy = tmp_path / "a.npy"
+    np.save(npy, np.zeros(3))
+    with pytest.raises(ad.CheckpointError, match="single .npy array"):
+        ad.load_checkpoint(npy, like=like_of())
+
+
+def test_other_npz_files_and_corrupt_metadata_are_refused(tmp_path):
+    plain = tmp_path / "plain.npz"
+    np.savez(plain, w=np.zeros(3))
+    with pytest.raises(ad.CheckpointError, match="no abstractdiff metadata"):
+        ad.load_checkpoint(plain, like=like_of())
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, __abstractdiff__=np.frombuffer(b"{not json", dtype=np.uint8))
+    with pytest.raises(ad.CheckpointError, match="metadata is corrupt"):
+        ad.load_checkpoint(bad, like=like_of())
+    future = tmp_path / "future.npz"
+    meta = json.dumps({"format": "abstractdiff-checkpoint", "version": 99, "leaves": []}).encode()
+    np.savez(future, __abstractdiff__=np.frombuffer(meta, dtype=np.uint8))
+    with pytest.raises(ad.CheckpointError, match="version 99"):
+        ad.load_checkpoint(future, like=like_of())
+
+
+def test_argument_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ad.load_checkpoint(tmp_path / "missing.npz", like=like_of())
+    with pytest.raises(TypeError, match="like must be the pair"):
+        ad.load_checkpoint(tmp_path / "missing.npz", like={"w": np.zeros(3)})
+    with pytest.raises(TypeError, match="OptState"):
+        ad.save_checkpoint(tmp_path / "x.npz", {"w": np.zeros(3)}, {"w": np.zeros(3)})
