@@ -55,6 +55,8 @@ def dtype_name(a: Any) -> str:
 
 
 def check_scalar(y: Any, operator: str = "gradient") -> None:
+    if y.shape == ():  # the common case, cheaply (torch.Size and tf.TensorShape compare to ())
+        return
     shape = shape_of(y)
     if shape != ():
         raise NonScalarOutputError(

@@ -43,6 +43,10 @@ class _Prepared:
         self.static = [(i, leaf) for i, leaf in enumerate(leaves) if i not in set(fn.diff_index) | set(fn.data_index)]
         self.x_signature = [_signature(v) for v in xs]
         self.data_signature = [_signature(v) for v in data]
+        # The backend's own shape and dtype objects, compared as they are on the hot path;
+        # the normalised signatures above only decide (and explain) a mismatch.
+        self.x_raw = [(v.shape, v.dtype) for v in xs]
+        self.data_raw = [(v.shape, v.dtype) for v in data]
         self._setup(xs, data)
 
     def _setup(self, xs: list, data: list) -> None:  # pragma: no cover - overridden
@@ -54,39 +58,46 @@ class _Prepared:
             f"{got}; prepare again for the new inputs (or call the unprepared operator)"
         )
 
+    def _where(self, i: int) -> str:
+        return f"x leaf {i}" if i < self.n_x else f"argument leaf {i - self.n_x}"
+
+    def _checked(self, leaves: list, index: tuple, raw: list, signature: list) -> list:
+        out = []
+        convert = self.backend.convert
+        for i, (shape, dtype), sig in zip(index, raw, signature):
+            leaf = leaves[i]
+            try:
+                same = leaf.shape == shape and leaf.dtype == dtype
+            except Exception:  # a Python float, or dtypes of two libraries that do not compare
+                same = False
+            if not same:
+                if is_array(leaf):
+                    got = _signature(leaf)
+                elif isinstance(leaf, float):  # differentiated as a float64 scalar
+                    got = ((), "float64")
+                else:
+                    got = type(leaf).__name__
+                if got != sig:
+                    raise self._mismatch(f"{self._where(i)} of shape/dtype", sig, got)
+            out.append(convert(leaf))
+        return out
+
     def _inputs(self, x: Any, args: tuple) -> tuple[list, list]:
-        x_leaves, x_treedef = optree.tree_flatten(x)
-        a_leaves, a_treedef = optree.tree_flatten(args)
         fn = self.fn
+        leaves, x_treedef = optree.tree_flatten(x)
         if x_treedef != fn.x_treedef:
             raise self._mismatch("x of structure", fn.x_treedef, x_treedef)
+        a_leaves, a_treedef = optree.tree_flatten(args)
         if a_treedef != fn.args_treedef:
             raise self._mismatch("args of structure", fn.args_treedef, a_treedef)
-        leaves = x_leaves + a_leaves
-        convert = self.backend.convert
-        xs = []
-        for i, sig in zip(self.diff_index, self.x_signature):
-            leaf = leaves[i]
-            if is_array(leaf):
-                got = _signature(leaf)
-            else:  # a Python float is differentiated as a float64 scalar
-                got = ((), "float64") if isinstance(leaf, float) else type(leaf).__name__
-            if got != sig:
-                raise self._mismatch(f"x leaf {i} of shape/dtype", sig, got)
-            xs.append(convert(leaf))
-        data = []
-        for i, sig in zip(self.data_index, self.data_signature):
-            leaf = leaves[i]
-            got = _signature(leaf) if is_array(leaf) else type(leaf).__name__
-            if got != sig:
-                where = f"x leaf {i}" if i < self.n_x else f"argument leaf {i - self.n_x}"
-                raise self._mismatch(f"{where} of shape/dtype", sig, got)
-            data.append(convert(leaf))
+        if a_leaves:
+            leaves = leaves + a_leaves
+        xs = self._checked(leaves, self.diff_index, self.x_raw, self.x_signature)
+        data = self._checked(leaves, self.data_index, self.data_raw, self.data_signature)
         for i, value in self.static:
             leaf = leaves[i]
             if leaf is not value and (type(leaf) is not type(value) or leaf != value):
-                where = f"x leaf {i}" if i < self.n_x else f"argument leaf {i - self.n_x}"
-                raise self._mismatch(f"static {where} =", repr(value), repr(leaf))
+                raise self._mismatch(f"static {self._where(i)} =", repr(value), repr(leaf))
         return xs, data
 
 

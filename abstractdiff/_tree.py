@@ -28,18 +28,30 @@ DIFF, DATA, STATIC = 0, 1, 2
 PyTree = Any
 
 
+_FLOAT_DTYPES: dict[Any, bool] = {}
+
+
 def is_float_dtype(dtype: Any) -> bool:
     """Whether ``dtype`` (numpy, torch, tensorflow or jax) is a real floating type."""
+    try:
+        return _FLOAT_DTYPES[dtype]  # on the hot path of every call: answer each dtype once
+    except (KeyError, TypeError):
+        pass
     flag = getattr(dtype, "is_floating_point", None)  # torch.dtype
     if flag is None:
         flag = getattr(dtype, "is_floating", None)  # tf.DType
     if flag is not None:
-        return bool(flag)
+        result = bool(flag)
+    else:
+        try:
+            result = np.dtype(dtype).name.startswith(("float", "bfloat"))
+        except TypeError:
+            result = False
     try:
-        name = np.dtype(dtype).name
+        _FLOAT_DTYPES[dtype] = result
     except TypeError:
-        return False
-    return name.startswith(("float", "bfloat"))
+        pass
+    return result
 
 
 def is_array(obj: Any) -> bool:
