@@ -272,3 +272,25 @@ def test_train_checks_epochs_and_one_shot_data():
     state, _ = ad.train(quadratic, model, ((TARGET,) for _ in range(2)), state, backend="finite_differences",
                         progress=False)
     assert state.step == 2
+
+
+# ------------------------------------------------------------------ the example
+def test_digits_example_runs_and_saves_the_plot(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    names = [n for n in ("autograd", "torch") if n in ad.available_backends()] or ["finite_differences"]
+    script = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+    out = tmp_path / "loss.png"
+    steps = "20" if names != ["finite_differences"] else "1"
+    run = subprocess.run(
+        [sys.executable, str(script), str(out), "--steps", steps, "--backends", ",".join(names)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    for name in names:
+        assert f"{name:<12} test accuracy" in run.stdout
+    assert "largest relative difference" in run.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
