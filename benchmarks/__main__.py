@@ -40,7 +40,8 @@ def _fmt(us: float | None) -> str:
 
 def table(results: list[Result]) -> list[str]:
     lines = [
-        "| workload | backend | native (us) | abstractdiff (us) | ratio | prepared (us) | ratio | EagerPy (us) | ratio |",
+        "| workload | backend | native (us) | abstractdiff (us) | ratio | prepared (us) | ratio "
+        "| EagerPy (us) | ratio |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     keys = sorted({(r.workload, r.backend) for r in results}, key=lambda k: (list(WORKLOADS).index(k[0]), k[1]))
@@ -49,7 +50,7 @@ def table(results: list[Result]) -> list[str]:
         native = by.get("native")
         base = native.median_us if native else None
 
-        def cell(variant: str) -> tuple[str, str]:
+        def cell(variant: str, by: dict = by, base: float | None = base) -> tuple[str, str]:
             r = by.get(variant)
             if r is None or r.median_us is None:
                 return ("n/a" + (f" ({r.note})" if r and r.note else ""), "")

@@ -97,7 +97,8 @@ def gmm_objective(params: dict, x: Any, scatter: Any, gamma: float, m: int) -> A
     # Wishart prior on the precision matrices.
     nn = d + m + 1
     prior = anp.sum(0.5 * gamma**2 * (anp.sum(qdiags**2, axis=1) + anp.sum(icf[:, d:] ** 2, axis=1)) - m * sum_qs)
-    log_gamma = 0.25 * d * (d - 1) * math.log(math.pi) + sum(math.lgamma(0.5 * nn + 0.5 * (1 - j)) for j in range(1, d + 1))
+    log_gamma = 0.25 * d * (d - 1) * math.log(math.pi)
+    log_gamma += sum(math.lgamma(0.5 * nn + 0.5 * (1 - j)) for j in range(1, d + 1))
     c = nn * d * (math.log(gamma) - 0.5 * math.log(2)) - log_gamma
     return const + slse - n * _logsumexp(alphas) + prior - k * c
 
@@ -106,7 +107,8 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
     inp = gmm_inputs(d, k, n)
     params = {"alphas": inp["alphas"], "means": inp["means"], "icf": inp["icf"]}
     args = (inp["x"], _lower_scatter(d), inp["gamma"], inp["m"])
-    return Workload("gmm", gmm_objective, params, args, f"GMM objective, d={d}, K={k}, n={n}", {"d": d, "k": k, "n": n})
+    description = f"GMM objective, d={d}, K={k}, n={n}"
+    return Workload("gmm", gmm_objective, params, args, description, {"d": d, "k": k, "n": n})
 
 
 # ----------------------------------------------------------------------- MLP
@@ -129,7 +131,8 @@ def mlp(n_in: int = 784, n_hidden: int = 128, n_out: int = 10, batch: int = 128,
     inputs = rng.normal(0, 1, (batch, n_in))
     targets = np.eye(n_out)[rng.integers(0, n_out, batch)]
     n_params = sum(p.size for p in params.values())
-    return Workload("mlp", mlp_loss, params, (inputs, targets), f"MLP {n_in}-{n_hidden}-{n_out} loss, batch {batch}, {n_params} parameters", {"n_params": n_params})
+    description = f"MLP {n_in}-{n_hidden}-{n_out} loss, batch {batch}, {n_params} parameters"
+    return Workload("mlp", mlp_loss, params, (inputs, targets), description, {"n_params": n_params})
 
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {"tiny": tiny, "gmm": gmm, "mlp": mlp}
