@@ -138,3 +138,12 @@ def test_console_entry_point_runs():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
+
+
+def test_importing_the_harness_and_cli_loads_no_ad_library():
+    code = ("import sys, abstractdiff.testing, abstractdiff.testing.suite, abstractdiff.cli; "
+            "from abstractdiff import testing; testing.default_scenarios(); "
+            "print(sorted(m for m in ('torch', 'jax', 'tensorflow', 'autograd') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

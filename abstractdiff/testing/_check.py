@@ -536,8 +536,10 @@ def compare_reports(
         for j in range(i + 1, len(reports)):
             a, c = reports[i], reports[j]
             pair = f"{labels[i]} vs {labels[j]}"
-            keys = sorted({(k[0], k[1]) for k in a.outputs} | {(k[0], k[1]) for k in c.outputs}
-                          | set(a.errors) | set(c.errors))
+            # what both sides ran (a scenario only one of them ran is not a disagreement)
+            ran_a = {(k[0], k[1]) for k in a.outputs} | set(a.errors)
+            ran_c = {(k[0], k[1]) for k in c.outputs} | set(c.errors)
+            keys = sorted(ran_a & ran_c)
             for scen, op in keys:
                 if op == NUMPY_INPUTS:
                     continue

@@ -26,7 +26,7 @@ DEVICE_RTOL = {"float32": 1e-5, "float64": 1e-10}
 
 # (label, device, dtype) -> Report, so that a later test in the same process (the
 # cross-backend comparison, a GPU-vs-CPU check) reuses results instead of recomputing.
-_REPORTS: dict[tuple[str, str, str], Report] = {}
+_REPORTS: dict[tuple[str, str, str, tuple[str, ...] | None], Report] = {}
 
 
 @dataclass(frozen=True)
@@ -112,12 +112,18 @@ def load(case: Case) -> Backend:
     return b
 
 
-def report_for(b: Backend, dtype: str) -> Report:
-    """``check_backend`` on the default scenarios of ``dtype``, cached per process."""
-    key = (backend_label(b), b.device, dtype)
+def report_for(b: Backend, dtype: str, names: tuple[str, ...] | None = None) -> Report:
+    """``check_backend`` on the default scenarios of ``dtype`` (or those ``names``), cached per process."""
+    key = (backend_label(b), b.device, dtype, names)
     if key not in _REPORTS:
-        _REPORTS[key] = check_backend(b, default_scenarios(dtype))
+        _REPORTS[key] = check_backend(b, default_scenarios(dtype, names))
     return _REPORTS[key]
+
+
+def cached_report(b: Backend, dtype: str, names: tuple[str, ...]) -> Report:
+    """The full report if this process already has it, else one on the scenarios ``names`` only."""
+    full = _REPORTS.get((backend_label(b), b.device, dtype, None))
+    return full if full is not None else report_for(b, dtype, names)
 
 
 def _xfail_reason(
