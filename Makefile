@@ -29,6 +29,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples
 
+# The documentation site, into site/ (gitignored).  --strict: a broken link, a missing
+# anchor or any warning fails the build; tests/test_docs.py runs the same build in
+# `make test`, and runs every code example of the docs and README.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
