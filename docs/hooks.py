@@ -224,7 +224,7 @@ def implicit_table(records: list[dict[str, Any]]) -> str:
     return (
         "| | operators |\n|---|---|\n"
         f"| supported (results are `ad.Grads`) | {', '.join(_code(o) for o in supported)} |\n"
-        f"| explicit mode only (a clear `TypeError` says so) | {', '.join(_code(o) for o in r['refused'])} |"
+        f"| explicit mode only (`ModeMismatchError` says so) | {', '.join(_code(o) for o in r['refused'])} |"
     )
 
 
