@@ -99,6 +99,20 @@ class Backend:
     array hooks (:meth:`asarray`, :meth:`is_native`).  Users call the pytree-level
     operators (:meth:`gradient`, :meth:`jacobian`, ...) or the module functions
     ``ad.gradient(backend, ...)``, which are the same thing.
+
+    ``Backend(*, device=None, **options)``; ``b.options`` holds them, and two backends
+    of the same class and options compare equal.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> class Doubling(ad.Backend):  # a toy reverse mode for f(x) = sum(x**2) only
+        ...     name = "doubling"
+        ...     def flat_value_and_pullback(self, fn, xs, data):
+        ...         y, aux = fn(xs, data)
+        ...         return y, aux, lambda dy: [2 * x * dy for x in xs]
+        >>> b = Doubling()
+        >>> b.gradient(lambda x: (x**2).sum(), np.array([1.0, 3.0]))   # derived by the core
+        array([2., 6.])
     """
 
     #: Registry name of the backend ("torch", "jax", ...).

@@ -349,7 +349,16 @@ class Grads(Mapping):
     A read-only mapping keyed by variable identity, iterating in ``Params`` order; the
     values are the backend's native arrays.  ``Grads`` is a pytree node (optree), so
     ``ad.to_numpy(gs)`` returns a ``Grads`` of numpy arrays and ``optree.tree_map``
-    works on it.
+    works on it.  ``Grads(params, values)``; the implicit operators build it.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> w, c = ad.Variable(np.array([1.0, 2.0])), ad.Variable(np.array(3.0))
+        >>> gs = ad.gradient(ad.Implicit("finite_differences"), lambda: c.value * (w.value**2).sum(), ad.Params([w, c]))
+        >>> gs
+        Grads(2 parameters: [(2,) float64, () float64])
+        >>> np.round(gs[w], 6), len(gs), list(gs) == [w, c]
+        (array([ 6., 12.]), 2, True)
     """
 
     def __init__(self, params: Params | list[Any], values: list[Any]):

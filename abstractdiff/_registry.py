@@ -89,7 +89,16 @@ def _load_entry_points() -> None:
 
 
 def registered_backends() -> list[str]:
-    """Every registered backend name (built-in, registered, entry points), sorted."""
+    """Every registered backend name (built-in, registered, entry points), sorted.
+
+    ``registered_backends() -> list[str]``, whether or not each one's library is
+    installed; see :func:`available_backends` for those that can be created here.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> {"finite_differences", "implicit", "jax", "torch"} <= set(ad.registered_backends())
+        True
+    """
     _load_entry_points()
     return sorted(_registry)
 
@@ -107,7 +116,14 @@ def _missing_module(entry: _Entry) -> str | None:
 def available_backends() -> list[str]:
     """The registered backends whose AD library is installed here, sorted.
 
-    Decided without importing any AD library.
+    ``available_backends() -> list[str]``.  Decided without importing any AD library
+    (``importlib.util.find_spec``).  ``"implicit"`` is always listed: it differentiates
+    variables with an inner backend (``ad.Implicit(name)``) rather than arrays.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> "finite_differences" in ad.available_backends()   # numpy only: always there
+        True
     """
     _load_entry_points()
     return sorted(name for name, entry in _registry.items() if _missing_module(entry) is None)

@@ -115,7 +115,20 @@ class Implicit(Backend):
     ``value_and_gradient`` (``has_aux`` too), ``pullback`` and ``value_and_pullback``,
     returning :class:`abstractdiff.Grads`.  Extra positional ``args`` are passed to
     ``f(*args)`` undifferentiated (data, as in explicit mode: compiled backends reuse
-    their trace for new data of the same shapes).
+    their trace for new data of the same shapes).  The same backend as
+    ``ad.backend("implicit", inner=inner)``.
+
+    ``ad.gradient(Implicit(inner), f, ad.Params(obj), *args) -> ad.Grads``;
+    ``ad.value_and_gradient(...) -> (y, Grads)``; ``ad.value_and_pullback(...) -> (y,
+    vjp)`` with ``vjp(dy) -> Grads``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> w = ad.Variable(np.array([1.0, -2.0]))
+        >>> b = ad.Implicit("finite_differences")
+        >>> y, gs = ad.value_and_gradient(b, lambda x: (w.value * x).sum(), ad.Params([w]), np.array([3.0, 4.0]))
+        >>> float(y), np.round(gs[w], 6)
+        (-5.0, array([3., 4.]))
     """
 
     name = "implicit"

@@ -81,6 +81,17 @@ def test_block_extraction() -> None:
     assert blocks_in(text) == [(3, "x = 1\n"), (10, "y = 2\n")]
 
 
+# ------------------------------------------------------------------ docstrings
+# `make test` runs `--doctest-modules abstractdiff`, which does not reach the adapters
+# (installed as abstractdiff.adapters from adapters/): run their examples here.
+@pytest.mark.parametrize("module", ["abstractdiff.adapters.implicit", "abstractdiff.adapters.finite_differences"])
+def test_adapter_docstring_examples_run(module: str) -> None:
+    import doctest
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {module} failed (see the output above)"
+
+
 # ------------------------------------------------------------------ API page
 def _api_objects() -> dict[int, str]:
     """``id(object) -> identifier`` for every ``::: identifier`` entry of docs/api.md."""
