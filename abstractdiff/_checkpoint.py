@@ -214,6 +214,19 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
         CheckpointError: the file is truncated, corrupt, pickled, not a checkpoint, or
             does not match ``like``.
         FileNotFoundError: no file at ``path``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np, tempfile, os
+        >>> from abstractdiff import optim
+        >>> state = optim.setup(optim.Momentum(), {"w": np.ones(2)})
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.npz")
+        >>> ad.save_checkpoint(path, state, {"w": np.array([0.5, 2.0])})
+        >>> like = (optim.setup(optim.Momentum(), {"w": np.zeros(2)}), {"w": np.zeros(2)})
+        >>> ad.load_checkpoint(path, like=like)[1]
+        {'w': array([0.5, 2. ])}
+        >>> ad.load_checkpoint(path, like=(state, {"w": np.zeros(3)}))
+        Traceback (most recent call last):
+        abstractdiff._errors.CheckpointError: ... does not match like: ...
     """
     if not (isinstance(like, tuple) and len(like) == 2):
         raise TypeError("load_checkpoint: like must be the pair (state, model) to restore into")

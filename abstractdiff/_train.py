@@ -239,6 +239,18 @@ def train(
     Raises:
         NonFiniteError: see :func:`train_step`; ``err.model``/``err.state`` hold
             everything learned before the failing step.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> from abstractdiff import optim
+        >>> loss = lambda m, x: ((m["w"] - x) ** 2).sum()
+        >>> data = [(np.array([1.0, -1.0]),)] * 20
+        >>> state = optim.setup(optim.Momentum(lr=0.1, rho=0.5), {"w": np.zeros(2)})
+        >>> losses = []
+        >>> state, model = ad.train(loss, {"w": np.zeros(2)}, data, state, backend="finite_differences",
+        ...                         callbacks=[lambda info: losses.append(info.loss)], progress=False)
+        >>> state.step, len(losses), np.round(model["w"], 3)
+        (20, 20, array([ 1., -1.]))
     """
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
         raise ValueError(f"train: epochs must be an int >= 0, got {epochs!r}")

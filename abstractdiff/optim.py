@@ -83,6 +83,20 @@ class Rule:
     ``init(x) -> leaf_state`` gives the state of one array; ``apply(leaf_state, x, g) ->
     (leaf_state, delta)`` the new state and the step, which :func:`update` subtracts
     (``x - delta``).  Neither may modify its arguments.
+
+    Example:
+        >>> import numpy as np
+        >>> from dataclasses import dataclass
+        >>> from abstractdiff import optim
+        >>> @dataclass(frozen=True)
+        ... class SignDescent(optim.Rule):
+        ...     # x -= lr * sign(g); no state, so init keeps the default (None)
+        ...     lr: float = 0.1
+        ...     def apply(self, state, x, g):
+        ...         return None, self.lr * ((g > 0) * 1.0 - (g < 0) * 1.0)
+        >>> state = optim.setup(SignDescent(), np.array([1.0, 2.0]))
+        >>> optim.update(state, np.array([1.0, 2.0]), np.array([3.0, -4.0]))[1]
+        array([0.9, 2.1])
     """
 
     def init(self, x: Any) -> Any:
@@ -94,7 +108,18 @@ class Rule:
 
 @dataclass(frozen=True)
 class Descent(Rule):
-    """Gradient descent: ``x -= lr * g``."""
+    """Gradient descent: ``x -= lr * g``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.Descent(lr=0.1), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([0.4, 2.8])
+    """
 
     lr: float = 0.1
 
@@ -107,7 +132,18 @@ class Descent(Rule):
 
 @dataclass(frozen=True)
 class Momentum(Rule):
-    """Classical momentum: ``v = rho*v + lr*g; x -= v``."""
+    """Classical momentum: ``v = rho*v + lr*g; x -= v``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.Momentum(lr=0.1, rho=0.9), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([0.13, 3.16])
+    """
 
     lr: float = 0.01
     rho: float = 0.9
@@ -126,7 +162,18 @@ class Momentum(Rule):
 
 @dataclass(frozen=True)
 class Nesterov(Rule):
-    """Nesterov momentum: ``d = -rho^2*v + (1+rho)*lr*g; v = rho*v - lr*g; x -= d``."""
+    """Nesterov momentum: ``d = -rho^2*v + (1+rho)*lr*g; v = rho*v - lr*g; x -= d``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.Nesterov(lr=0.1, rho=0.9), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([-0.383,  3.844])
+    """
 
     lr: float = 0.001
     rho: float = 0.9
@@ -146,7 +193,18 @@ class Nesterov(Rule):
 
 @dataclass(frozen=True)
 class RMSProp(Rule):
-    """RMSProp: ``s = rho*s + (1-rho)*g^2; x -= lr*g/(sqrt(s)+eps)``."""
+    """RMSProp: ``s = rho*s + (1-rho)*g^2; x -= lr*g/(sqrt(s)+eps)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.RMSProp(lr=0.1), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([0.454357, 2.545643])
+    """
 
     lr: float = 0.001
     rho: float = 0.9
@@ -191,6 +249,16 @@ class Adam(Rule):
     x -= lr * (m/(1-b1^t)) / (sqrt(s/(1-b2^t)) + eps)``, t counting from 1.
 
     The leaf state is ``(m, s, t)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.Adam(lr=0.1), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([0.8, 2.2])
     """
 
     lr: float = 0.001
@@ -215,7 +283,18 @@ class Adam(Rule):
 @dataclass(frozen=True)
 class AdamW(Rule):
     """AdamW with PyTorch's coupling: ``u`` = the Adam step with lr = 1, then
-    ``x -= lr * (u + weight_decay * x)``."""
+    ``x -= lr * (u + weight_decay * x)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.AdamW(lr=0.1, weight_decay=0.5), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([0.7075, 2.    ])
+    """
 
     lr: float = 0.001
     betas: tuple[float, float] = (0.9, 0.999)
@@ -247,6 +326,16 @@ class ClipNorm(Rule):
 
     Per array, as Optimisers.jl does (not over the whole model).  ``p`` may be ``inf``.
     Put it first in a :func:`chain`.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.ClipNorm(omega=1.0), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([-0.2,  3.6])
     """
 
     omega: float = 10.0
@@ -293,7 +382,18 @@ class Chain(Rule):
 
 
 def chain(*rules: Rule) -> Chain:
-    """Compose rules: ``chain(ClipNorm(1.0), Adam())`` clips, then feeds the result to Adam."""
+    """Compose rules: ``chain(ClipNorm(1.0), Adam())`` clips, then feeds the result to Adam.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> x, g = np.array([1.0, 2.0]), np.array([3.0, -4.0])
+        >>> state = optim.setup(optim.chain(optim.ClipNorm(1.0), optim.Descent(0.1)), x)
+        >>> for _ in range(2):
+        ...     state, x = optim.update(state, x, g)
+        >>> np.round(x, 6)
+        array([0.88, 2.16])
+    """
     return Chain(tuple(rules))
 
 
@@ -437,6 +537,15 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
     the inputs untouched; ``None`` gradients (non-float leaves) leave the leaf as it is.
     Implicit mode (``grads`` an ``ad.Grads``): computes every new value first, then
     assigns them to the variables in place, and returns ``model`` itself.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> from abstractdiff import optim
+        >>> model = {"w": np.array([1.0, 2.0]), "n": 3}          # n: not a float leaf, left alone
+        >>> state = optim.setup(optim.Descent(0.5), model)
+        >>> state, new = optim.update(state, model, {"w": np.array([1.0, 1.0]), "n": None})
+        >>> new, model["w"], state.step                            # pure: model is unchanged
+        ({'w': array([0.5, 1.5]), 'n': 3}, array([1., 2.]), 1)
     """
     if not isinstance(state, OptState):
         raise TypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
