@@ -463,3 +463,11 @@ class Backend:
 
 def is_float_leaf(a: Any) -> bool:
     return isinstance(a, float) or (is_array(a) and is_float_dtype(a.dtype))
+
+
+# See the note at the end of abstractdiff/_operators.py: autograph must call these as they are.
+for _name in (
+    "value_and_gradient", "gradient", "value_and_pullback", "pullback", "value_and_pushforward",
+    "pushforward", "derivative", "jacobian", "hessian", "hvp",
+):
+    getattr(Backend, _name).autograph_info__ = frozenset()
