@@ -47,7 +47,18 @@ _APPROX_RTOL = {"float64": (1e-8, 1e-5), "float32": (2e-3, 1e-1)}
 
 
 def is_approximate(b: Backend) -> bool:
-    """Whether ``b`` approximates derivatives (finite differences) rather than computing them."""
+    """Whether ``b`` approximates derivatives (finite differences) rather than computing them.
+
+    ``is_approximate(b) -> bool``; an implicit backend answers for its inner one, and a
+    third-party backend can set the class attribute ``approximate = True``.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> from abstractdiff import testing
+        >>> fd = ad.backend("finite_differences")
+        >>> testing.is_approximate(fd), testing.is_approximate(ad.Implicit(fd))
+        (True, True)
+    """
     inner = getattr(b, "inner", None)
     if isinstance(inner, Backend) and inner is not b:
         return is_approximate(inner)
@@ -59,7 +70,18 @@ def is_approximate(b: Backend) -> bool:
 
 
 def default_rtol(b: Backend, dtype: str, operator: str) -> float:
-    """The tolerance ``check_backend`` uses for ``operator`` on ``b`` in ``dtype``."""
+    """The tolerance ``check_backend`` uses for ``operator`` on ``b`` in ``dtype``.
+
+    ``default_rtol(b, dtype, operator) -> float``: exact AD gets 1e-9 (float64) and 1e-4
+    (float32) for first order; approximate backends and second order are looser.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> from abstractdiff import testing
+        >>> fd = ad.backend("finite_differences")
+        >>> testing.default_rtol(fd, "float64", "gradient"), testing.default_rtol(fd, "float64", "hessian")
+        (1e-08, 1e-05)
+    """
     table = _APPROX_RTOL if is_approximate(b) else _EXACT_RTOL
     first, second = table.get(dtype, table["float32"])
     return second if operator in SECOND_ORDER else first
@@ -70,7 +92,14 @@ def is_implicit(b: Backend) -> bool:
 
 
 def backend_label(b: Backend) -> str:
-    """``torch``, or ``implicit(torch)`` for the implicit adapter."""
+    """The name reports use: ``backend_label(b) -> str``, ``"torch"``, or ``"implicit(torch)"``.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> from abstractdiff import testing
+        >>> testing.backend_label(ad.Implicit("finite_differences"))
+        'implicit(finite_differences)'
+    """
     if is_implicit(b):
         return f"implicit({getattr(b, 'inner_name', None) or b.inner.name})"
     return b.name
@@ -505,10 +534,17 @@ def check_backend(
 def assert_backend(b: Backend | str, scenarios: Iterable[Scenario] | None = None, **options: Any) -> Report:
     """:func:`check_backend`, raising ``AssertionError`` with the report when anything failed.
 
+    ``assert_backend(b, scenarios=None, **options) -> Report`` (the passing report).
     For an adapter's own test file::
 
         def test_conformance():
             testing.assert_backend(MyBackend())
+
+    Example:
+        >>> from abstractdiff import testing
+        >>> scen = testing.default_scenarios("float64", ["matmul_least_squares"])
+        >>> testing.assert_backend("finite_differences", scen).ok
+        True
     """
     report = check_backend(b, scenarios, **options)
     if not report.ok:
@@ -525,8 +561,18 @@ def compare_reports(
 ) -> Report:
     """Pairwise agreement of the outputs stored in ``reports`` (from :func:`check_backend`).
 
-    ``rtol`` is one tolerance or one per dtype; by default each pair uses the sum of
-    the tolerances its two backends were checked with.
+    ``compare_reports(reports, *, rtol=None, title=None) -> Report``.  ``rtol`` is one
+    tolerance or one per dtype; by default each pair uses the sum of the tolerances its
+    two backends were checked with.  Nothing is run again: use it to compare reports
+    computed earlier (the same backend on two devices, say).
+
+    Example:
+        >>> from abstractdiff import testing
+        >>> from abstractdiff.adapters.finite_differences import FiniteDifferencesBackend
+        >>> scen = testing.default_scenarios("float64", ["sum_squares"])
+        >>> backends = [FiniteDifferencesBackend(), FiniteDifferencesBackend(step=1e-4)]
+        >>> testing.compare_reports([testing.check_backend(b, scen) for b in backends]).ok
+        True
     """
     own = [{(r.scenario, r.operator): r.rtol for r in rep.results} for rep in reports]
     labels = [f"{r.backend}@{r.device}" if len({x.device for x in reports}) > 1 else r.backend for r in reports]

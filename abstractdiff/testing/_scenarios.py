@@ -600,5 +600,11 @@ def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str]
 
 
 def scenario_names() -> list[str]:
-    """Base names of the built-in scenarios."""
+    """Base names of the built-in scenarios: ``scenario_names() -> list[str]``.
+
+    Example:
+        >>> from abstractdiff import testing
+        >>> "rosenbrock" in testing.scenario_names()
+        True
+    """
     return [s.name for s in default_scenarios("float64")]
