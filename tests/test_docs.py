@@ -118,6 +118,22 @@ def test_every_public_name_is_on_the_api_page() -> None:
     assert not missing, f"public names missing from docs/api.md (add a '::: path' entry): {missing}"
 
 
+def test_public_functions_have_a_signature_line_and_an_example() -> None:
+    """Each public function's docstring shows how it is called (``name(...)``) and a
+    doctest example (run by ``--doctest-modules``)."""
+    import inspect
+
+    lacking = []
+    for qualified, obj in _public():
+        if not inspect.isfunction(obj):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        name = qualified.rpartition(".")[2]
+        if f"{name}(" not in doc or ">>>" not in doc:
+            lacking.append(qualified)
+    assert not lacking, f"public functions without a signature line or an example in their docstring: {lacking}"
+
+
 def test_api_page_lists_only_real_objects() -> None:
     # _api_objects raises AttributeError/ImportError for an entry that does not exist.
     assert len(_api_objects()) >= len(ad.__all__) - 2
