@@ -9,6 +9,7 @@ temporary directory (examples may write files).  A traceback names the page and 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -137,6 +138,44 @@ def test_public_functions_have_a_signature_line_and_an_example() -> None:
 def test_api_page_lists_only_real_objects() -> None:
     # _api_objects raises AttributeError/ImportError for an entry that does not exist.
     assert len(_api_objects()) >= len(ad.__all__) - 2
+
+
+# ------------------------------------------------------------------ the backend matrix
+def _hooks():
+    spec = importlib.util.spec_from_file_location("_abstractdiff_docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_backend_matrix_reads_the_adapters_right() -> None:
+    """The hook reads the adapters' source without importing them; check what it reads
+    against the imported classes wherever the library is installed."""
+    import inspect
+
+    from abstractdiff import _registry
+
+    records = {r["name"]: r for r in _hooks().adapters()}
+    assert set(records) == set(_registry._BUILTIN)
+    for name in ad.available_backends():
+        if name not in records:
+            continue
+        module_name, _, attr = records[name]["target"].partition(":")
+        cls = getattr(importlib.import_module(module_name), attr)
+        flat = {m for m in vars(cls) if m.startswith("flat_")}
+        assert flat == {m for m in records[name]["methods"] if m.startswith("flat_")}, name
+        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        read = [o.split("=")[0].lstrip("*") for o in records[name]["options"]]
+        assert set(read) <= set(params), (name, read, params)
+    assert "flat_prepare_value_and_gradient" in records["jax"]["methods"]
+    assert "hvp" in records["implicit"]["refused"]
+
+
+def test_backend_matrix_lists_known_gaps() -> None:
+    hooks = _hooks()
+    assert "None" in hooks.gaps_table({})
+    table = hooks.gaps_table({("torch@gpu", "mlp_loss", "hessian"): "a reason"})
+    assert "`torch@gpu`" in table and "a reason" in table
 
 
 # ------------------------------------------------------------------ the site
