@@ -59,8 +59,13 @@ def is_array(obj: Any) -> bool:
     return hasattr(obj, "shape") and hasattr(obj, "dtype")
 
 
+_ARRAY_TYPES: set[type] = set()  # leaf types already seen to be arrays (not Python scalars)
+
+
 def leaf_kind(leaf: Any, differentiable: bool) -> int:
     """Classify one leaf as DIFF, DATA or STATIC (see the module docstring)."""
+    if type(leaf) in _ARRAY_TYPES:  # the hot path: an array type met before
+        return DIFF if differentiable and is_float_dtype(leaf.dtype) else DATA
     if isinstance(leaf, bool):
         return STATIC
     if isinstance(leaf, float):
@@ -68,9 +73,8 @@ def leaf_kind(leaf: Any, differentiable: bool) -> int:
     if isinstance(leaf, (int, str, bytes, complex)):
         return STATIC
     if is_array(leaf):
-        if differentiable and is_float_dtype(leaf.dtype):
-            return DIFF
-        return DATA
+        _ARRAY_TYPES.add(type(leaf))
+        return DIFF if differentiable and is_float_dtype(leaf.dtype) else DATA
     return STATIC
 
 

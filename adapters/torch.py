@@ -273,7 +273,7 @@ class TorchBackend(Backend):
                 grads = [None] * len(leaves)
         if nested:
             return y, aux, grads
-        return y.detach(), self._detached(aux), grads
+        return y.detach(), (None if aux is None else self._detached(aux)), grads
 
     # ------------------------------------------------------------ forward mode
     def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
