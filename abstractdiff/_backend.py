@@ -28,7 +28,7 @@ from ._errors import (
     NonScalarOutputError,
     ShapeMismatchError,
 )
-from ._tree import FlatFunction, PlanCache, PyTree, flatten_call, is_array, is_float_dtype
+from ._tree import FlatFunction, PlanCache, PyTree, flatten_call, is_array
 
 __all__ = ["Backend"]
 
@@ -459,10 +459,6 @@ class Backend:
         fn, xs, data = self.flatten(f, x, args)
         tangents = self.tangents(fn, xs, v, "v")
         return fn.unflatten_x(self.complete(self.flat_hvp(fn, xs, data, tangents), xs))
-
-
-def is_float_leaf(a: Any) -> bool:
-    return isinstance(a, float) or (is_array(a) and is_float_dtype(a.dtype))
 
 
 # See the note at the end of abstractdiff/_operators.py: autograph must call these as they are.

@@ -20,7 +20,16 @@ def _leaf_to_numpy(a: Any) -> Any:
         return _leaf_to_numpy(boxed())
     module = type(a).__module__.partition(".")[0]
     if module == "torch":
-        return a.detach().cpu().numpy()
+        a = a.detach().cpu()
+        if a.dtype == _torch_bfloat16(a):
+            # numpy has no bfloat16 of its own: ml_dtypes' (shipped with jax and
+            # tensorflow) keeps the dtype; without it, widen to float32 exactly.
+            try:
+                import ml_dtypes
+            except ImportError:
+                return a.float().numpy()
+            return a.float().numpy().astype(ml_dtypes.bfloat16)
+        return a.numpy()
     if module == "autograd":  # ArrayBox: unwrap to the primal value
         while hasattr(a, "_value"):
             a = a._value
@@ -30,6 +39,12 @@ def _leaf_to_numpy(a: Any) -> Any:
     if hasattr(a, "__array__") or (hasattr(a, "shape") and hasattr(a, "dtype")):
         return np.asarray(a)
     return a  # ints, strings and other static leaves are left as they are
+
+
+def _torch_bfloat16(t: Any) -> Any:
+    import torch  # already imported: t is a torch tensor
+
+    return torch.bfloat16
 
 
 def to_numpy(tree: Any) -> Any:

@@ -16,7 +16,7 @@ import optree
 from ._backend import Backend, check_scalar, dtype_name, shape_of
 from ._errors import ShapeMismatchError
 from ._registry import backend as _get_backend
-from ._tree import FlatFunction, is_array
+from ._tree import FlatFunction, _static_key, is_array
 
 __all__ = ["prepare_gradient", "prepare_pullback", "prepare_value_and_gradient"]
 
@@ -40,7 +40,10 @@ class _Prepared:
         self.diff_index = fn.diff_index
         self.data_index = fn.data_index
         leaves = optree.tree_leaves(x) + optree.tree_leaves(args)
-        self.static = [(i, leaf) for i, leaf in enumerate(leaves) if i not in set(fn.diff_index) | set(fn.data_index)]
+        dynamic = set(fn.diff_index) | set(fn.data_index)
+        # Static leaves are compared by the plan cache's key: exact bits for floats (-0.0 is
+        # not 0.0), identity for unhashable objects.
+        self.static = [(i, leaf, _static_key(leaf)) for i, leaf in enumerate(leaves) if i not in dynamic]
         self.x_signature = [_signature(v) for v in xs]
         self.data_signature = [_signature(v) for v in data]
         # The backend's own shape and dtype objects, compared as they are on the hot path;
@@ -94,9 +97,9 @@ class _Prepared:
             leaves = leaves + a_leaves
         xs = self._checked(leaves, self.diff_index, self.x_raw, self.x_signature)
         data = self._checked(leaves, self.data_index, self.data_raw, self.data_signature)
-        for i, value in self.static:
+        for i, value, key in self.static:
             leaf = leaves[i]
-            if leaf is not value and (type(leaf) is not type(value) or leaf != value):
+            if leaf is not value and _static_key(leaf) != key:
                 raise self._mismatch(f"static {self._where(i)} =", repr(value), repr(leaf))
         return xs, data
 

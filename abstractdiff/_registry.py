@@ -176,7 +176,14 @@ def _resolve(name: str, entry: _Entry) -> Callable[..., Backend]:
             + (f"pip install 'abstractdiff[{entry.extra}]'" if entry.extra else f"check that {failed!r} is installed"),
             name=failed,
         ) from err
-    return getattr(module, attr)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise BackendUnavailableError(
+            f"backend {name!r} is registered as {target!r}, but module {module_name!r} has no attribute "
+            f"{attr!r}; fix the registration (ad.register_backend or the {ENTRY_POINT_GROUP!r} entry point)",
+            name=module_name,
+        ) from None
 
 
 def backend(name: str | Backend, **options: Any) -> Backend:
@@ -204,7 +211,9 @@ def backend(name: str | Backend, **options: Any) -> Backend:
         raise TypeError(f"backend name must be a string, got {type(name).__name__}")
     entry = _lookup(name)
     try:
-        key: Any = (name, tuple(sorted(options.items())))
+        # Option types are part of the key: compile=1 must reach the adapter (and its
+        # TypeError) rather than share the instance made with compile=True.
+        key: Any = (name, tuple(sorted((k, type(v), v) for k, v in options.items())))
         hash(key)
     except TypeError:
         key = None

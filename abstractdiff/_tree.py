@@ -16,6 +16,7 @@ it exactly as ``jax.jit`` does on static arguments.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -78,9 +79,18 @@ def leaf_kind(leaf: Any, differentiable: bool) -> int:
     return STATIC
 
 
+def is_float_leaf(a: Any) -> bool:
+    """Whether a pytree leaf is differentiated: a Python float or a floating-point array."""
+    return leaf_kind(a, True) == DIFF
+
+
 def _static_key(leaf: Any) -> Any:
-    # (type, value) so that 1, 1.0 and True key differently; unhashable objects by
-    # identity (the flat function keeps them alive, so the id cannot be reused).
+    # (type, value) so that 1, 1.0 and True key differently.  Floats by their exact bits:
+    # -0.0 == 0.0 would otherwise share a plan (and its closed-over value), and a NaN
+    # never equal to itself would add a plan per call.  Unhashable objects by identity
+    # (the flat function keeps them alive, so the id cannot be reused).
+    if isinstance(leaf, float):
+        return (type(leaf), float.hex(leaf))
     try:
         hash(leaf)
     except TypeError:
@@ -202,33 +212,42 @@ def _weak_callable(f: Callable[..., Any]) -> Callable[[], Any]:
         return lambda: f
 
 
-class FunctionKey:
-    """A weak, hashable handle on ``f``: bound methods are keyed by (self, function)."""
-
-    @staticmethod
-    def of(f: Callable[..., Any]) -> tuple[Any, Any] | None:
-        owner = getattr(f, "__self__", None)
-        func = getattr(f, "__func__", None)
-        if owner is not None and func is not None:
-            return (func, owner)
-        return (f, None)
+def _function_identity(f: Callable[..., Any]) -> tuple[Any, Any]:
+    """``(function, owner)``: a bound method is keyed by its function and its ``self``
+    (each attribute access makes a new method object; these two are stable)."""
+    owner = getattr(f, "__self__", None)
+    func = getattr(f, "__func__", None)
+    if owner is not None and func is not None:
+        return func, owner
+    return f, None
 
 
 class PlanCache:
-    """Flat functions per user function, dropped when the function is garbage collected."""
+    """Flat functions per user function, dropped when the function is garbage collected.
+
+    Each function keeps at most :attr:`max_per_function` plans, least recently used out
+    first: a static argument that changes every call (a step counter passed as an int)
+    would otherwise add a plan, and on compiled backends an executable, per call.
+    """
+
+    max_per_function = 64
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], tuple[Any, dict[Any, FlatFunction]]] = {}
+        self._entries: dict[tuple[int, int], tuple[Any, OrderedDict[Any, FlatFunction]]] = {}
 
     def lookup(self, f: Callable[..., Any], key: Any) -> FlatFunction | None:
-        func, owner = FunctionKey.of(f)  # type: ignore[misc]
+        func, owner = _function_identity(f)
         entry = self._entries.get((id(func), id(owner)))
         if entry is None:
             return None
-        return entry[1].get(key)
+        plans = entry[1]
+        fn = plans.get(key)
+        if fn is not None and len(plans) > 1:
+            plans.move_to_end(key)
+        return fn
 
     def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction) -> None:
-        func, owner = FunctionKey.of(f)  # type: ignore[misc]
+        func, owner = _function_identity(f)
         ident = (id(func), id(owner))
         entry = self._entries.get(ident)
         if entry is None:
@@ -240,9 +259,12 @@ class PlanCache:
                     )
             except TypeError:
                 return  # not weak-referenceable (a builtin): do not cache
-            entry = (refs, {})
+            entry = (refs, OrderedDict())
             self._entries[ident] = entry
-        entry[1][key] = fn
+        plans = entry[1]
+        plans[key] = fn
+        while len(plans) > self.max_per_function:
+            plans.popitem(last=False)
 
     def __len__(self) -> int:
         return sum(len(e[1]) for e in self._entries.values())

@@ -8,10 +8,10 @@ list of float leaves as one container (a single leaf bare), and differentiates t
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any, Callable
 
 import autograd
+import autograd.numpy as anp
 import numpy as np
 import optree
 from autograd.core import make_jvp, make_vjp
@@ -23,7 +23,6 @@ from abstractdiff._errors import DeviceError
 
 FlatFn = Callable[[list, list], tuple]
 
-_INDEPENDENT = "Output seems independent of input"
 _MISSING_JVP = re.compile(r"JVP of .* not defined")
 # What numpy says when it meets an ArrayBox it cannot use: np.array(box, dtype=float),
 # item assignment, float(box).
@@ -64,19 +63,24 @@ class _Traced:
         y, aux = self.fn(xs, self.data)
         if self.scalar is not None:
             check_scalar(y, self.scalar)
+        level = getattr(boxed, "_trace", None)
+        # autograd warns ("Output seems independent of input") when y, or for second order
+        # the gradient, does not depend on the traced inputs; silencing that per call would
+        # reset the process-wide warning registry.  Adding a zero that depends on the inputs
+        # keeps the values and connects the graph: unconnected gradients come out as zeros.
+        if self.scalar in ("hessian", "hvp"):
+            y = y + 0.0 * sum(anp.sum(x * x) for x in xs)  # x*x: its gradient depends on x too
+        elif not (isinstance(y, Box) and y._trace == level):
+            y = y + 0.0 * anp.sum(xs[0])
         if aux is not None:
-            level = getattr(boxed, "_trace", None)
             self.aux = optree.tree_map(lambda a: a._value if isinstance(a, Box) and a._trace == level else a, aux)
         return y
 
 
 def _run(transform: Callable[[], Any]) -> Any:
-    """Run an autograd transform: silence its unconnected-output warning, hint at numpy misuse."""
+    """Run an autograd transform, adding a hint to errors that come from numpy misuse."""
     try:
-        with warnings.catch_warnings():
-            # A constant output is legitimate here (the core fills zeros).
-            warnings.filterwarnings("ignore", message=_INDEPENDENT, category=UserWarning)
-            return transform()
+        return transform()
     except (TypeError, ValueError) as err:
         if _BOX_MISUSE.search(str(err)) and _BOX_HINT not in getattr(err, "__notes__", ()):
             err.add_note(_BOX_HINT)  # the user's exception itself, type unchanged

@@ -54,7 +54,7 @@ class JaxBackend(Backend):
         super().__init__(device=device, compile=compile)
         self.compile = compile
         self._device = self._device_object(self.device)
-        self._default_device = self._device != jax.devices()[0]
+        self._scoped_device = self._device != jax.devices()[0]
         #: Python executions of user functions under this backend's transforms; a
         #: compiled call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
@@ -92,7 +92,7 @@ class JaxBackend(Backend):
         with contextlib.ExitStack() as stack:
             if x64:
                 stack.enter_context(jax.enable_x64(True))
-            if self._default_device:
+            if self._scoped_device:
                 stack.enter_context(jax.default_device(self._device))
             try:
                 yield
@@ -233,7 +233,7 @@ class JaxBackend(Backend):
         )
         # This is the hot path of training loops: when there is no x64 or device scope to
         # enter, call the compiled function directly (a context manager costs ~5 us).
-        scoped = x64 or self._default_device
+        scoped = x64 or self._scoped_device
 
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
             if scoped:

@@ -10,7 +10,11 @@ so everything composed (pushforward, jacobian, hessian, hvp) and every operator 
 
 Nested use: when an input already requires grad and grad mode is on, we are inside an
 outer differentiation; inputs are then aliased rather than detached and the gradient is
-built with ``create_graph=True`` so that the outer derivative flows through it.
+built with ``create_graph=True`` so that the outer derivative flows through it.  As with
+``torch.func.grad``, this also holds for a caller's own tensor that requires grad (an
+``nn.Parameter`` passed explicitly): the gradient stays attached to the graph until it is
+dropped.  Call under ``torch.no_grad()``, or pass ``.detach()``-ed tensors, to get plain
+values; ``ad.Implicit("torch")`` is the route for modules.
 
 ``compile=True`` wraps the user's function in ``torch.compile`` (``compile="aot_eager"``
 or any other ``torch.compile`` backend name picks that backend).  Dynamo turns Python
@@ -39,6 +43,7 @@ FlatFn = Callable[[list, list], tuple]
 
 def _in_functorch() -> bool:
     # A torch.func transform (ours or the user's) is active: autograd.grad must not run here.
+    # torch has no public query for this (torch 2.13); the private one is what torch.func uses.
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -69,10 +74,10 @@ class TorchBackend(Backend):
     def __init__(self, *, device: str | None = None, compile: bool | str = False):
         if not isinstance(compile, (bool, str)):
             raise TypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
-        if isinstance(compile, str) and compile not in torch._dynamo.list_backends(exclude_tags=()):
+        if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
             raise ValueError(
                 f"compile={compile!r} is not a torch.compile backend; pass True (inductor), False, or "
-                f"one of {', '.join(sorted(torch._dynamo.list_backends(exclude_tags=())))}"
+                f"one of {', '.join(sorted(torch.compiler.list_backends(exclude_tags=())))}"
             )
         super().__init__(device=device, compile=compile)
         self.compile = compile
@@ -185,6 +190,8 @@ class TorchBackend(Backend):
         """The torch.compile backend: the chosen one, counting each graph it compiles."""
         self.compilations += 1
         name = "inductor" if self.compile is True else self.compile
+        # No public lookup of a backend by name exists in torch 2.13 (torch.compile resolves
+        # names internally through this same function).
         return torch._dynamo.lookup_backend(name)(gm, example_inputs)
 
     def _value_fn(self, fn: FlatFn, data: list, operator: str | None = None) -> Callable[..., torch.Tensor]:

@@ -297,3 +297,24 @@ def test_unweakrefable_callables_are_not_cached():
     b = FiniteDifferencesBackend()
     np.testing.assert_allclose(b.gradient(np.sin, 0.3), np.cos(0.3), rtol=1e-9)  # a ufunc
     assert len(b._plans) == 0
+
+
+def test_option_types_are_part_of_the_shared_instance_key(clean_registry):
+    calls = []
+
+    def factory(**options):
+        calls.append(options)
+        return ad.backend("finite_differences")
+
+    ad.register_backend("typed_options", factory)
+    ad.backend("typed_options", flag=True)
+    ad.backend("typed_options", flag=1)  # 1 == True, but a different option
+    assert [type(c["flag"]) for c in calls] == [bool, int]
+
+
+def test_registration_naming_a_missing_attribute_is_a_clear_error(clean_registry):
+    ad.register_backend("misspelt", "abstractdiff.adapters.finite_differences:FiniteDifferencesBacknd")
+    with pytest.raises(ad.BackendUnavailableError, match="has no attribute 'FiniteDifferencesBacknd'") as err:
+        ad.backend("misspelt")
+    assert isinstance(err.value, ImportError)
+    assert "misspelt" in str(err.value)

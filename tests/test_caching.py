@@ -1,0 +1,74 @@
+"""The plan cache: keyed exactly, bounded per function, and invisible to results."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import abstractdiff as ad
+from abstractdiff._tree import PlanCache
+
+FD = "finite_differences"
+
+
+def signed(x, s):
+    return (x * math.copysign(1.0, s)).sum()
+
+
+def test_negative_zero_static_argument_gets_its_own_plan():
+    b = ad.backend(FD)
+    x = np.ones(2)
+    np.testing.assert_allclose(ad.gradient(b, signed, x, 0.0), [1.0, 1.0], rtol=1e-9)
+    # -0.0 == 0.0 in Python; a cache keyed on equality would reuse the +0.0 plan.
+    np.testing.assert_allclose(ad.gradient(b, signed, x, -0.0), [-1.0, -1.0], rtol=1e-9)
+
+
+def test_nan_static_argument_reuses_its_plan():
+    b = ad.backend(FD)
+
+    def f(x, s):
+        return (x**2).sum() + (0.0 if s != s else s)
+
+    for _ in range(5):
+        ad.gradient(b, f, np.ones(2), float("nan"))
+    plans = b._plans._entries[(id(f), id(None))][1]
+    assert len(plans) == 1
+
+
+def test_prepared_operator_tells_negative_zero_apart():
+    grad = ad.prepare_gradient(FD, signed, np.ones(2), 0.0)
+    with pytest.raises(ad.ShapeMismatchError, match="static"):
+        grad(np.ones(2), -0.0)
+
+
+def test_plans_per_function_are_bounded():
+    b = type(ad.backend(FD))()  # a fresh instance: its own, empty plan cache
+
+    def f(x, step):
+        return (x * step).sum()
+
+    for step in range(PlanCache.max_per_function + 40):
+        ad.gradient(b, f, np.ones(2), step)
+    assert len(b._plans) == PlanCache.max_per_function
+    # the most recent plans are the ones kept, and results stay right
+    np.testing.assert_allclose(ad.gradient(b, f, np.ones(2), 3), [3.0, 3.0], rtol=1e-9)
+
+
+def test_autograd_leaves_the_warning_registry_alone():
+    if "autograd" not in ad.available_backends():
+        pytest.skip("autograd is not installed here")
+    b = ad.backend("autograd")
+
+    def user_code():
+        warnings.warn("deprecated thing", DeprecationWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # show each distinct warning once per location
+        for _ in range(3):
+            user_code()
+            ad.gradient(b, lambda x: (x**2).sum(), np.ones(2))
+            ad.gradient(b, lambda x: np.float64(1.0) + 0 * x.sum(), np.ones(2))
+    assert len([w for w in seen if "deprecated thing" in str(w.message)]) == 1
