@@ -9,24 +9,32 @@ Three routes, chosen by the kind of variables in the ``Params``:
   boxes' values, which swaps each box's value for the traced one, calls ``f`` and puts
   the values back (``finally``), and the inner backend differentiates it.
 
-The explicit function is cached per (``f``, variables), holding both weakly, so that
-compiling inner backends (jax ``jit``, ``tf.function``) reuse their trace on a repeated
-call.  Boxes ``f`` reads that are not in ``Params`` are noted on the first call and
-passed as data from then on, so a compiled trace never freezes their values.
+The explicit function is cached per (``f``, variables, other boxes), holding all of them
+weakly, so that compiling inner backends (jax ``jit``, ``tf.function``) reuse their trace
+on a repeated call.  Boxes ``f`` reads that are not in ``Params`` ("other boxes") are
+passed as data, so a trace never freezes their values.  Which boxes those are is learned
+whenever ``f`` runs: a call that reads a box outside the wrapper's set gives correct
+values (the box is read as it is) and the next call uses a wrapper for the new set (a
+new trace on compiled backends); a dead box simply drops out of the set.  A compiled
+inner backend runs ``f`` only when it traces, so replacing a box ``f`` reads (rather
+than assigning its ``.value``) while the old box is still alive goes unnoticed until
+the next trace: assign ``box.value = new`` instead, which is always seen.
 
 torch and tensorflow are imported only when their variables are seen.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 import optree
 
 from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from abstractdiff._errors import ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._implicit import TENSORFLOW, TORCH, Grads, Params, Variable, _reads, _tf_variable
 from abstractdiff._registry import _lookup
 from abstractdiff._registry import backend as _backend
@@ -36,6 +44,9 @@ _EXPLICIT_ONLY = ("value_and_pushforward", "pushforward", "derivative", "jacobia
 
 
 def _split(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    # The torch and tensorflow routes call f(*args) themselves; this is the has_aux check
+    # of abstractdiff._tree.FlatFunction.__call__, which works on flat leaf lists and has
+    # no helper of its own to call (a shared helper there would remove this copy).
     if not has_aux:
         return out, None
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -45,66 +56,125 @@ def _split(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return out
 
 
-def _shape(a: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in a.shape)
+class _Seen(threading.local):
+    """Per thread, the collectors of the other boxes ``f`` reads (a stack, for nesting)."""
+
+    def __init__(self) -> None:
+        self.stack: list[dict[int, Variable]] = []
 
 
-def _check_cotangent(dy: Any, y: Any) -> None:
-    got = _shape(dy) if is_array(dy) else () if isinstance(dy, (int, float)) else None
-    if got != _shape(y):
-        raise ShapeMismatchError(
-            f"cotangent has {'shape ' + str(got) if got is not None else 'type ' + type(dy).__name__} but "
-            f"f's output has shape {_shape(y)}; pass an array shaped like y"
-        )
+_seen = _Seen()
 
 
 class _Swapped:
     """``f`` as an explicit function of its boxes' values: ``(values, extra_values, *args) -> f(*args)``.
 
-    Holds ``f`` and the boxes weakly: it is cached per (``f``, boxes) and must not keep
-    them alive; whoever calls it holds them.
+    ``extra`` are the boxes ``f`` read that are not parameters, fixed for the wrapper's
+    life (a new set of them gets a new wrapper, and so a new trace).  Holds ``f`` and
+    every box weakly: it is cached and must not keep them alive; whoever calls it holds
+    them.
     """
 
-    def __init__(self, f: Callable[..., Any], boxes: list[Variable]):
+    def __init__(self, f: Callable[..., Any], boxes: list[Variable], extra: list[Variable]):
         self._f = _weak_callable(f)
         self._boxes = [weakref.ref(b) for b in boxes]
+        self._extra = [weakref.ref(b) for b in extra]
         self._known = {id(b) for b in boxes}
-        #: boxes f read that are not parameters; passed as (undifferentiated) data
-        self.extra: list[weakref.ref] = []
 
     def boxes(self) -> tuple[Callable[..., Any], list[Variable], list[Variable]]:
         f = self._f()
         boxes = [r() for r in self._boxes]
-        extra = [r() for r in self.extra]
-        if f is None or any(b is None for b in boxes) or any(b is None for b in extra):
+        if f is None or any(b is None for b in boxes):
             raise ReferenceError("the function or a variable being differentiated was garbage collected")
-        return f, boxes, extra  # type: ignore[return-value]
+        # a dead other box cannot be read by f any more: it is left out, never an error
+        return f, boxes, [b for b in (r() for r in self._extra) if b is not None]  # type: ignore[return-value]
 
     def __call__(self, values: list, extra_values: list, *args: Any) -> Any:
-        f, boxes, extra = self.boxes()
+        f = self._f()
+        if f is None:
+            raise ReferenceError("the function being differentiated was garbage collected")
         reads: dict[int, Variable] = {}
         swapped: list[tuple[Variable, Any]] = []
         _reads.stack.append(reads)
         try:
-            # zip stops at the shorter list: boxes noted as extra during this very
-            # operation have no traced value yet and keep their own
-            for box, value in zip(boxes + extra, list(values) + list(extra_values)):
-                swapped.append((box, box._swap(value)))
+            for ref, value in zip(self._boxes + self._extra, list(values) + list(extra_values)):
+                box = ref()
+                if box is not None:
+                    swapped.append((box, box._swap(value)))
             return f(*args)
         finally:
             _reads.stack.pop()
             for box, old in reversed(swapped):
                 box._swap(old)
-            for key, box in reads.items():
-                if key not in self._known:
-                    self._known.add(key)
-                    self.extra.append(weakref.ref(box))
+            if _seen.stack:
+                seen = _seen.stack[-1]
+                seen[id(self)] = self  # f ran
+                for key, box in reads.items():
+                    if key not in self._known:
+                        seen[key] = box
 
 
-# Explicit wrappers per (f, boxes), shared by every Implicit instance: the wrapper does
+class _Family:
+    """The wrappers of one (``f``, parameters): one per set of other boxes, the current set
+    being the one ``f`` read when it last ran."""
+
+    max_wrappers = 8  # sets of other boxes remembered (each may hold a compiled trace)
+
+    def __init__(self, f: Callable[..., Any], boxes: list[Variable]):
+        self._f = _weak_callable(f)
+        self._boxes = [weakref.ref(b) for b in boxes]
+        self.extra: list[weakref.ref] = []
+        self.wrappers: OrderedDict[tuple[int, ...], _Swapped] = OrderedDict()
+
+    def wrapper(self) -> _Swapped:
+        extra = [b for b in (r() for r in self.extra) if b is not None]
+        key = tuple(id(b) for b in extra)
+        with _LOCK:
+            w = self.wrappers.get(key)
+            if w is not None:
+                self.wrappers.move_to_end(key)
+                return w
+        f, boxes = self._f(), [r() for r in self._boxes]
+        if f is None or any(b is None for b in boxes):
+            raise ReferenceError("the function or a variable being differentiated was garbage collected")
+        w = _Swapped(f, boxes, extra)  # type: ignore[arg-type]
+        # a dead box's id may be reused by a new box: its wrapper (and trace) goes with it
+        family = weakref.ref(self)  # not self: no cycle through the callbacks
+        drop = lambda _r, key=key: family() is not None and family()._forget(key)  # noqa: E731
+        w.refs = [weakref.ref(b, drop) for b in extra]  # type: ignore[attr-defined]
+        with _LOCK:
+            self.wrappers[key] = w
+            while len(self.wrappers) > self.max_wrappers:
+                self.wrappers.popitem(last=False)
+        return w
+
+    def _forget(self, key: tuple[int, ...]) -> None:
+        # no lock: called from weakref callbacks, which may run while this thread holds it
+        self.wrappers.pop(key, None)
+
+    def observe(self, w: _Swapped, seen: dict[int, Any]) -> None:
+        """After an operation: ``seen`` holds ``w`` if ``f`` ran, and the other boxes it read."""
+        if id(w) not in seen:
+            return  # a compiled trace was reused: f did not run, nothing new was learned
+        read = [b for k, b in seen.items() if k != id(w)]
+        if [id(b) for b in read] == [id(r()) for r in w._extra]:
+            return
+        self.extra = [weakref.ref(b) for b in read]
+        if any(id(b) not in {id(r()) for r in w._extra} for b in read):
+            # f read a box w does not pass as data: a compiled trace of w holds its value
+            # as a constant, so w must never be used again
+            for key, other in list(self.wrappers.items()):
+                if other is w:
+                    self._forget(key)
+
+
+_LOCK = threading.RLock()
+
+
+# Wrapper families per (f, parameters), shared by every Implicit instance: a wrapper does
 # not depend on the inner backend (whose own plan cache keys on the wrapper), so a fresh
 # ad.Implicit(b) per step still reuses jax's compiled trace.
-_EXPLICIT: dict[tuple, _Swapped] = {}
+_EXPLICIT: dict[tuple, _Family] = {}
 
 
 class Implicit(Backend):
@@ -218,23 +288,38 @@ class Implicit(Backend):
 
         return optree.tree_map(native, args)
 
-    def _wrapper(self, f: Callable[..., Any], boxes: list[Variable]) -> _Swapped:
+    def _wrapper(self, f: Callable[..., Any], boxes: list[Variable]) -> tuple[_Family, _Swapped]:
         owner = getattr(f, "__self__", None)
         func = getattr(f, "__func__", f) if owner is not None else f
         key = (id(func), id(owner), *(id(b) for b in boxes))
-        w = _EXPLICIT.get(key)
-        if w is not None:
-            return w
-        w = _Swapped(f, boxes)
+        with _LOCK:
+            family = _EXPLICIT.get(key)
+        if family is None:
+            family = _Family(f, boxes)
+            try:
+                # drop the family (and the inner backend's plans for its wrappers) when any of them dies
+                drop = lambda _r, key=key: _EXPLICIT.pop(key, None)  # noqa: E731
+                family.refs = [weakref.ref(o, drop) for o in (func, owner, *boxes) if o is not None]  # type: ignore[attr-defined]
+            except TypeError:  # f cannot be weakly referenced: a wrapper for this call only
+                w = _Swapped(f, boxes, [])
+                w._f = lambda: f
+                return family, w
+            with _LOCK:
+                family = _EXPLICIT.setdefault(key, family)
+        return family, family.wrapper()
+
+    def _run(self, op: Callable[..., Any], f: Callable[..., Any], ps: Params, *args: Any, **kw: Any) -> tuple:
+        """``op(wrapper, values, extra values, *args)`` on the inner backend, noting what f read."""
+        family, w = self._wrapper(f, list(ps))
+        _, boxes, extra = w.boxes()
+        seen: dict[int, Any] = {}
+        _seen.stack.append(seen)
         try:
-            # drop the entry (and the inner backend's plans for it) when any of them dies
-            drop = lambda _r, key=key: _EXPLICIT.pop(key, None)  # noqa: E731
-            w.refs = [weakref.ref(o, drop) for o in (func, owner, *boxes) if o is not None]  # type: ignore[attr-defined]
-        except TypeError:  # f cannot be weakly referenced: use the wrapper once
-            w._f = lambda: f
-            return w
-        _EXPLICIT[key] = w
-        return w
+            out = op(w, [b._value for b in boxes], [b._value for b in extra], *args, **kw)
+        finally:
+            _seen.stack.pop()
+        family.observe(w, seen)
+        return w, out
 
     # ---------------------------------------------------- public operators
     def value_and_gradient(self, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> tuple[Any, Grads]:
@@ -243,15 +328,11 @@ class Implicit(Backend):
         if not callable(f):
             raise TypeError(f"f must be callable, got {type(f).__name__}")
         if ps.kind == TORCH:
-            y, aux, grads = _torch_value_and_gradient(f, list(ps), self._native(args, ps), has_aux)
+            y, aux, grads = _torch_value_and_gradient(self.inner, f, list(ps), self._native(args, ps), has_aux)
         elif ps.kind == TENSORFLOW:
             y, aux, grads = _tf_value_and_gradient(f, list(ps), self._native(args, ps), has_aux)
         else:
-            w = self._wrapper(f, list(ps))
-            _, boxes, extra = w.boxes()
-            out, grads = self.inner.value_and_gradient(
-                w, [b._value for b in boxes], [b._value for b in extra], *args, has_aux=has_aux
-            )
+            _, (out, grads) = self._run(self.inner.value_and_gradient, f, ps, *args, has_aux=has_aux)
             y, aux = out if has_aux else (out, None)
         gs = Grads(ps, list(grads))
         return ((y, aux), gs) if has_aux else (y, gs)
@@ -261,19 +342,20 @@ class Implicit(Backend):
         ps = self._params(x)
         if not callable(f):
             raise TypeError(f"f must be callable, got {type(f).__name__}")
+        w = None
         if ps.kind == TORCH:
-            y, vjp = _torch_value_and_pullback(f, list(ps), self._native(args, ps))
+            y, vjp = _torch_value_and_pullback(self.inner, f, list(ps), self._native(args, ps))
         elif ps.kind == TENSORFLOW:
-            y, vjp = _tf_value_and_pullback(f, list(ps), self._native(args, ps))
+            y, vjp = _tf_value_and_pullback(self.inner, f, list(ps), self._native(args, ps))
         else:
-            w = self._wrapper(f, list(ps))
-            _, boxes, extra = w.boxes()
-            y, vjp = self.inner.value_and_pullback(w, [b._value for b in boxes], [b._value for b in extra], *args)
+            w, (y, vjp) = self._run(self.inner.value_and_pullback, f, ps, *args)
 
         def pullback(dy: Any) -> Grads:
             return Grads(ps, list(vjp(dy)))
 
-        pullback.f = f  # type: ignore[attr-defined]  # the cached explicit wrapper holds f weakly
+        # the explicit wrapper holds f weakly, and its family may drop it: a pullback that
+        # calls f again (finite differences) needs both
+        pullback.f, pullback.wrapper = f, w  # type: ignore[attr-defined]
         return y, pullback
 
 
@@ -302,13 +384,7 @@ def _torch_output(out: Any) -> Any:
     return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
 
 
-def _detach_torch(tree: Any) -> Any:
-    import torch
-
-    return optree.tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, tree)
-
-
-def _torch_value_and_gradient(f: Callable[..., Any], params: list, args: tuple, has_aux: bool) -> tuple:
+def _torch_value_and_gradient(inner: Backend, f: Callable[..., Any], params: list, args: tuple, has_aux: bool) -> tuple:
     import torch
 
     with torch.enable_grad():
@@ -320,18 +396,18 @@ def _torch_value_and_gradient(f: Callable[..., Any], params: list, args: tuple, 
             grads = torch.autograd.grad(y, params, allow_unused=True, materialize_grads=True)
         else:
             grads = tuple(torch.zeros_like(p) for p in params)
-    return y.detach(), _detach_torch(aux), list(grads)
+    return y.detach(), inner._detached(aux), list(grads)  # type: ignore[attr-defined]  # TorchBackend
 
 
-def _torch_value_and_pullback(f: Callable[..., Any], params: list, args: tuple) -> tuple:
+def _torch_value_and_pullback(inner: Backend, f: Callable[..., Any], params: list, args: tuple) -> tuple:
     import torch
 
     with torch.enable_grad():
         y = _torch_output(f(*args))
 
     def vjp(dy: Any) -> list:
-        _check_cotangent(dy, y)
-        dy = torch.as_tensor(dy if isinstance(dy, torch.Tensor) else np.asarray(dy), dtype=y.dtype, device=y.device)
+        # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
+        dy = torch.as_tensor(inner.cotangent(dy, y), dtype=y.dtype, device=y.device)
         if not y.requires_grad:
             return [torch.zeros_like(p) for p in params]
         with torch.enable_grad():
@@ -368,7 +444,7 @@ def _tf_value_and_gradient(f: Callable[..., Any], params: list, args: tuple, has
     return y, aux, [_dense(tf, g) for g in grads]
 
 
-def _tf_value_and_pullback(f: Callable[..., Any], params: list, args: tuple) -> tuple:
+def _tf_value_and_pullback(inner: Backend, f: Callable[..., Any], params: list, args: tuple) -> tuple:
     import tensorflow as tf
 
     watched = [_tf_variable(v) for v in params]
@@ -378,8 +454,7 @@ def _tf_value_and_pullback(f: Callable[..., Any], params: list, args: tuple) -> 
         y = _tf_output(f(*args))
 
     def vjp(dy: Any) -> list:
-        _check_cotangent(dy, y)
-        dy = tf.cast(tf.convert_to_tensor(dy if tf.is_tensor(dy) else np.asarray(dy)), y.dtype)
+        dy = tf.cast(inner.cotangent(dy, y), y.dtype)
         grads = tape.gradient(y, watched, output_gradients=dy, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [_dense(tf, g) for g in grads]
 
