@@ -31,7 +31,7 @@ import numpy as np
 import optree
 
 from ._errors import ModeMismatchError, ShapeMismatchError
-from ._tree import is_array, is_float_dtype
+from ._tree import is_array, is_float_leaf
 
 __all__ = [
     "Adam",
@@ -493,7 +493,9 @@ def x64_scope(leaves: Any) -> Any:
 
 
 def _is_float_leaf(a: Any) -> bool:
-    return is_array(a) and is_float_dtype(a.dtype)
+    # the shared classification, for arrays only: a Python float in a model tree is left
+    # as it is (a float stays a float, rather than becoming a 0-d array)
+    return is_array(a) and is_float_leaf(a)
 
 
 # ------------------------------------------------------------------ setup / update
@@ -527,7 +529,9 @@ def setup(rule: Rule, model: Any) -> OptState:
 
 
 def _is_grads(obj: Any) -> bool:
-    return type(obj).__name__ == "Grads" and type(obj).__module__.startswith("abstractdiff")
+    from ._implicit import Grads
+
+    return isinstance(obj, Grads)
 
 
 def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
@@ -579,7 +583,8 @@ def _update_explicit(state: OptState, model: Any, grads: Any) -> tuple[OptState,
         ) from err
     rule = state.rule
     new_leaves, new_states = [], []
-    with x64_scope(leaves):
+    # the gradients too: numpy float64 leaves with jax float64 gradients compute in jax
+    with x64_scope([*leaves, *g_leaves]):
         for x, g, s in zip(leaves, g_leaves, s_leaves):
             if g is None or not _is_float_leaf(x):
                 new_leaves.append(x)
@@ -603,12 +608,13 @@ def _update_implicit(state: OptState, model: Any, grads: Any) -> tuple[OptState,
         )
     rule = state.rule
     values = [read(v) for v in params]
+    gs = [grads[v] for v in params]
     new_values, new_states = [], []
     # Everything is computed before anything is assigned, so a failure leaves the
-    # variables as they were.
-    with x64_scope(values):
-        for v, x, s in zip(params, values, state.tree):
-            g = grads[v]
+    # variables as they were.  The gradients count for the scope too: ad.Variable boxes
+    # of numpy float64 with jax float64 gradients compute in jax.
+    with x64_scope([*values, *gs]):
+        for x, g, s in zip(values, gs, state.tree):
             if g is None:
                 new_values.append(None)
                 new_states.append(s)

@@ -184,6 +184,29 @@ def test_jax_float64_is_kept_without_global_x64(lib):
         assert not jax.config.jax_enable_x64, "the global jax configuration must not change"
 
 
+def test_numpy_float64_with_jax_float64_gradients_stays_float64():
+    # numpy float64 values (ad.Variable boxes, or a numpy model) with jax float64
+    # gradients: the update computes in jax and must run in the local x64 scope
+    jax = pytest.importorskip("jax")
+    jb = ad.backend("jax")
+    g = jb.convert(np.array([1.0, -2.0, 3.0]))
+    assert ad.to_numpy(g).dtype == np.float64
+    w = ad.Variable(np.ones(3))
+    state = optim.setup(optim.Adam(0.1), [w])
+    state, _ = optim.update(state, [w], ad.Grads([w], [g]))
+    gn = ad.to_numpy(g)
+    want = 1 - 0.1 * gn / (np.abs(gn) + 1e-8)  # Adam's first step; float32 would be off by ~1e-8
+    assert ad.to_numpy(w.value).dtype == np.float64
+    np.testing.assert_allclose(ad.to_numpy(w.value), want, rtol=1e-12)
+    model = {"w": np.ones(3)}
+    state = optim.setup(optim.Adam(0.1), model)
+    state, new = optim.update(state, model, {"w": g})
+    assert ad.to_numpy(new["w"]).dtype == np.float64
+    assert ad.to_numpy(state.tree["w"][1]).dtype == np.float64
+    np.testing.assert_allclose(ad.to_numpy(new["w"]), want, rtol=1e-12)
+    assert not jax.config.jax_enable_x64, "the global jax configuration must not change"
+
+
 @pytest.mark.parametrize("lib", ARRAY_LIBS)
 @pytest.mark.parametrize("rule", RULES, ids=[c[0] for c in CASES])
 def test_inputs_not_mutated(rule, lib):
