@@ -8,6 +8,9 @@ is a thin convenience over it (epochs, callbacks, a progress bar), returning the
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Iterable, NamedTuple
 
 import optree
@@ -44,7 +47,9 @@ def _ar() -> Any:
 
 
 def _is_implicit(b: Backend) -> bool:
-    return bool(getattr(b, "implicit", False)) or type(b).__name__ == "Implicit"
+    from .adapters.implicit import Implicit  # imports no AD library
+
+    return bool(getattr(b, "implicit", False)) or isinstance(b, Implicit)
 
 
 def _inner(b: Backend) -> Backend:
@@ -56,29 +61,78 @@ def _convert_tree(b: Backend, tree: Any) -> Any:
     return optree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
 
 
-class _Bound:
-    """``loss_fn(model, *batch)`` as ``f(*batch)``: the batch goes in as data, not in a closure."""
+def _ref(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj`` if it has one, else a strong one (see ``_BoundCache``)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
-    __slots__ = ("loss_fn", "model", "__weakref__")
+
+class _Bound:
+    """``loss_fn(model, *batch)`` as ``f(*batch)``: the batch goes in as data, not in a closure.
+
+    Holds ``loss_fn`` and ``model`` weakly where they allow it: the caller of
+    :func:`train_step` holds them while it runs.
+    """
+
+    __slots__ = ("_loss_fn", "_model", "_refs", "__weakref__")
 
     def __init__(self, loss_fn: Callable[..., Any], model: Any):
-        self.loss_fn, self.model = loss_fn, model
+        self._loss_fn, self._model = _ref(loss_fn), _ref(model)
+        self._refs: list[weakref.ref] = []  # the cache's references, whose callbacks drop its entry
 
     def __call__(self, *batch: Any) -> Any:
-        return self.loss_fn(self.model, *batch)
+        loss_fn, model = self._loss_fn(), self._model()
+        if loss_fn is None or model is None:
+            raise ReferenceError("the loss function or the model being trained was garbage collected")
+        return loss_fn(model, *batch)
 
 
-_last_bound: list[_Bound] = []
+class _BoundCache:
+    """The same ``_Bound`` for the same ``(loss_fn, model)`` on every step of a loop, so that
+    compiling inner backends (jax ``jit``, ``tf.function``) keep their trace, also when a
+    few models alternate (a GAN's generator and discriminator).
+
+    At most :attr:`size` pairs, least recently used out first; an entry goes when its
+    ``loss_fn`` or model is garbage collected.  An object that cannot be weakly
+    referenced (a dict of ``ad.Variable``) is held by its entry until it is pushed out.
+    """
+
+    size = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[tuple[int, int], _Bound] = OrderedDict()
+
+    def get(self, loss_fn: Callable[..., Any], model: Any) -> _Bound:
+        key = (id(loss_fn), id(model))
+        with self._lock:
+            f = self._entries.get(key)
+            if f is not None:
+                self._entries.move_to_end(key)
+                return f
+            f = _Bound(loss_fn, model)
+            # a dead object's id may be reused: its entry goes with it (no lock: a weakref
+            # callback may run while this thread holds it, and one pop is atomic)
+            drop = lambda _r, key=key: self._entries.pop(key, None)  # noqa: E731
+            refs = []
+            for obj in (loss_fn, model):
+                try:
+                    refs.append(weakref.ref(obj, drop))
+                except TypeError:
+                    pass
+            f._refs = refs
+            self._entries[key] = f
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+            return f
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def _bound(loss_fn: Callable[..., Any], model: Any) -> _Bound:
-    # The same function object on every step of a loop, so that compiling inner backends
-    # (jax jit, tf.function) keep their trace; only the last (loss_fn, model) is kept.
-    if _last_bound and _last_bound[0].loss_fn is loss_fn and _last_bound[0].model is model:
-        return _last_bound[0]
-    f = _Bound(loss_fn, model)
-    _last_bound[:] = [f]
-    return f
+_BOUND = _BoundCache()
 
 
 def _as_batch(batch: Any) -> tuple:
@@ -98,6 +152,17 @@ def _all_finite(loss: Any, grads: list) -> bool:
             part = ar.do("sum", a * 0)
             totals[name] = part if name not in totals else totals[name] + part
         return all(float(to_numpy(t)) == 0.0 for t in totals.values())
+
+
+def _non_finite(step: int, state: optim.OptState, model: Any, holding: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was applied, "
+        f"{holding} after step {step - 1}. Lower the learning rate, add optim.ClipNorm, or check "
+        f"the data of this batch",
+        state=state,
+        model=model,
+        step=step,
+    )
 
 
 def train_step(
@@ -147,16 +212,9 @@ def train_step(
                 f"ad.variables(...)) to optim.setup and train_step, or use the explicit backend {_inner(b)!r}"
             )
         params = optim.params_of(model)
-        loss, grads = b.value_and_gradient(_bound(loss_fn, model), params, *batch)
+        loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
         if not _all_finite(loss, [grads[p] for p in params]):
-            raise NonFiniteError(
-                f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was "
-                f"applied, the variables hold the values after step {step - 1}. Lower the learning "
-                f"rate, add optim.ClipNorm, or check the data of this batch",
-                state=state,
-                model=model,
-                step=step,
-            )
+            raise _non_finite(step, state, model, "the variables hold the values")
         state, model = optim.update(state, model, grads)
         return state, model, loss
     if state.implicit or optim.holds_variables(model):
@@ -169,14 +227,7 @@ def train_step(
     state = state._replace(tree=_convert_tree(b, state.tree))
     loss, grads = b.value_and_gradient(loss_fn, model, *batch)
     if not _all_finite(loss, optree.tree_leaves(grads)):
-        raise NonFiniteError(
-            f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was applied, "
-            f"the error's .model and .state are the values after step {step - 1}. Lower the "
-            f"learning rate, add optim.ClipNorm, or check the data of this batch",
-            state=state,
-            model=model,
-            step=step,
-        )
+        raise _non_finite(step, state, model, "the error's .model and .state are the values")
     state, model = optim.update(state, model, grads)
     return state, model, loss
 

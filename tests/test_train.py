@@ -136,6 +136,69 @@ def test_implicit_keras_model_trains_in_place():
     assert float(loss(model, x, y)) < 0.3 * start
 
 
+def test_implicit_jax_numpy_float64_boxes_stay_float64():
+    need("jax")
+    import jax
+
+    w = ad.Variable(np.ones(3))  # numpy float64, updated with jax float64 gradients
+    state = optim.setup(optim.Adam(0.1), [w])
+
+    def loss(ws, x):
+        return ((ws[0].value - x) ** 2).sum()
+
+    state, _, value = ad.train_step(loss, [w], (np.zeros(3),), state, backend=ad.Implicit("jax"))
+    assert ad.to_numpy(w.value).dtype == np.float64
+    # Adam's first step moves every element by lr * g / (|g| + eps), g = 2
+    np.testing.assert_allclose(ad.to_numpy(w.value), 1 - 0.1 * 2 / (2 + 1e-8), rtol=1e-12)
+    assert float(ad.to_numpy(value)) == 3.0
+    assert not jax.config.jax_enable_x64
+
+
+def test_training_does_not_keep_the_model_or_loss_alive():
+    torch = need("torch") and __import__("torch")
+    import gc
+    import weakref
+
+    def run():
+        m = torch.nn.Linear(4, 1)
+        loss = lambda m, x: m(x).sum()  # noqa: E731
+        state = optim.setup(optim.Descent(0.1), m)
+        data = [(np.ones((2, 4), dtype="float32"),)] * 2
+        ad.train(loss, m, data, state, backend=ad.Implicit("torch"), progress=False)
+        return weakref.ref(m), weakref.ref(loss)
+
+    model, loss = run()
+    gc.collect()
+    assert model() is None and loss() is None
+
+
+def test_alternating_models_do_not_retrace():
+    jb = need("jax")
+    b = ad.Implicit(jb)
+    m1, m2 = ad.variables({"w": np.ones(3)}, jb), ad.variables({"w": np.ones(3)}, jb)
+    s1, s2 = optim.setup(optim.Descent(0.1), m1), optim.setup(optim.Descent(0.1), m2)
+    s1, m1, _ = ad.train_step(quadratic, m1, (TARGET,), s1, backend=b)
+    s2, m2, _ = ad.train_step(quadratic, m2, (TARGET,), s2, backend=b)
+    before = jb.trace_count
+    for _ in range(3):  # a GAN's two models, one step each in turn
+        s1, m1, _ = ad.train_step(quadratic, m1, (TARGET,), s1, backend=b)
+        s2, m2, _ = ad.train_step(quadratic, m2, (TARGET,), s2, backend=b)
+    assert jb.trace_count == before
+    want = TARGET + 0.8**4 * (1 - TARGET)  # Descent(0.1) on sum((w - c)^2): w - c shrinks by 0.8 a step
+    np.testing.assert_allclose(ad.to_numpy(m1)["w"], want, rtol=1e-12)
+    np.testing.assert_allclose(ad.to_numpy(m2)["w"], want, rtol=1e-12)
+
+
+def test_bound_functions_are_bounded_in_number():
+    from abstractdiff._train import _BOUND
+
+    b = ad.Implicit("finite_differences")
+    models = [ad.variables({"w": np.zeros(3)}, b) for _ in range(_BOUND.size + 4)]  # dicts: held strongly
+    for m in models:
+        ad.train_step(quadratic, m, (TARGET,), optim.setup(optim.Descent(0.1), m), backend=b)
+    assert len(_BOUND) <= _BOUND.size
+
+
 # ------------------------------------------------------------------ callbacks and progress
 def test_callbacks_see_every_step_and_can_stop():
     seen = []
