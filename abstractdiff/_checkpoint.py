@@ -45,27 +45,68 @@ def _ar() -> Any:
 class _Leaf:
     """One leaf of ``(state, model)``: its path, current value, and variable (if any)."""
 
-    __slots__ = ("path", "value", "variable")
+    __slots__ = ("path", "value", "variable", "name")
 
-    def __init__(self, path: str, value: Any, variable: Any = None):
-        self.path, self.value, self.variable = path, value, variable
+    def __init__(self, path: str, value: Any, variable: Any = None, name: str = ""):
+        self.path, self.value, self.variable, self.name = path, value, variable, name
+
+    @property
+    def where(self) -> str:
+        """The path, with the torch name of a module's variable (for messages)."""
+        return f"{self.path} ({self.name})" if self.name else self.path
 
 
 def _path_str(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
+def _model_variables(model: Any) -> list[tuple[str, Any]]:
+    """Every variable of a model holding variables, as ``(name, variable)``, once each.
+
+    Models are saved whole: a torch module's parameters, frozen ones included, and its
+    buffers (BatchNorm's running statistics), in ``state_dict`` order and with its
+    names; every variable of a tf.Module / Keras model (non-trainable ones too);
+    variables themselves and ``ad.Params`` as they are.  The optimiser state covers the
+    trainable ones only, in Params order.
+    """
+    from ._implicit import _kind, _module, _module_variables
+
+    if optim._is_params(model):
+        return [("", v) for v in model]
+    torch = _module("torch")
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def add(name: str, var: Any) -> None:
+        if id(var) not in seen:  # a shared (tied) weight is stored once
+            seen.add(id(var))
+            found.append((name, var))
+
+    for leaf in optree.tree_leaves(model, is_leaf=lambda v: _kind(v) is not None):
+        if torch is not None and isinstance(leaf, torch.nn.Module):
+            for name, t in leaf.state_dict(keep_vars=True).items():
+                add(name, t)
+        elif _module_variables(leaf) is not None:
+            for var in leaf.variables:
+                add("", var)
+        elif optim._is_variable(leaf):
+            add("", leaf)
+    return found
+
+
 def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
     """The leaves of ``(state, model)``, the treedef to rebuild them, and whether the
-    model holds variables (whose values are then the model's leaves, in Params order)."""
+    model holds variables (whose values are then the model's leaves, see ``_model_variables``)."""
     if not isinstance(state, optim.OptState):
         raise TypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
     implicit = optim.holds_variables(model)
     paths, values, treedef = optree.tree_flatten_with_path(state)
     leaves = [_Leaf("state/" + _path_str(p), v) for p, v in zip(paths, values)]
     if implicit:
-        for i, var in enumerate(optim.params_of(model)):
-            leaves.append(_Leaf(f"model/variable{i}", optim.read(var), var))
+        # "variable{i}" as before, so that checkpoints of models without frozen variables
+        # or buffers written by earlier versions still load
+        for i, (name, var) in enumerate(_model_variables(model)):
+            leaves.append(_Leaf(f"model/variable{i}", optim.read(var), var, name))
     else:
         paths, values, _ = optree.tree_flatten_with_path(model)
         leaves += [_Leaf("model/" + _path_str(p), v) for p, v in zip(paths, values)]
@@ -113,7 +154,7 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
     arrays: dict[str, np.ndarray] = {}
     for entry, leaf in zip(meta["leaves"], leaves):
         if entry["kind"] == "array":
-            a = np.ascontiguousarray(to_numpy(leaf.value))
+            a = np.asarray(to_numpy(leaf.value), order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
             if a.dtype == object:
                 raise CheckpointError(f"{entry['path']}: object arrays cannot be stored in a checkpoint")
             arrays[entry["key"]] = a
@@ -246,27 +287,27 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
     for entry, leaf in zip(entries, leaves):
         if not isinstance(entry, dict) or entry.get("path") != leaf.path:
             got = entry.get("path") if isinstance(entry, dict) else entry
-            raise _mismatch(path, f"the file has {got!r} where like has {leaf.path!r}")
+            raise _mismatch(path, f"the file has {got!r} where like has {leaf.where!r}")
         expected = _describe(leaf, 0)
         kind = entry.get("kind")
         if kind != expected["kind"]:
-            raise _mismatch(path, f"{leaf.path} is a {kind} in the file but a {expected['kind']} in like")
+            raise _mismatch(path, f"{leaf.where} is a {kind} in the file but a {expected['kind']} in like")
         if kind == "array":
             a = arrays.get(entry.get("key"))
             if a is None:
-                raise CheckpointError(f"{path}: the array of {leaf.path} is missing; the file is corrupt")
+                raise CheckpointError(f"{path}: the array of {leaf.where} is missing; the file is corrupt")
             if a.dtype.name != entry.get("dtype") or list(a.shape) != entry.get("shape"):
-                raise CheckpointError(f"{path}: the array of {leaf.path} does not match its metadata; corrupt file")
+                raise CheckpointError(f"{path}: the array of {leaf.where} does not match its metadata; corrupt file")
             if entry["dtype"] != expected["dtype"] or entry["shape"] != expected["shape"]:
                 raise _mismatch(
-                    path, f"{leaf.path} is {entry['dtype']}{tuple(entry['shape'])} in the file but "
+                    path, f"{leaf.where} is {entry['dtype']}{tuple(entry['shape'])} in the file but "
                     f"{expected['dtype']}{tuple(expected['shape'])} in like"
                 )
             new_values.append(a)
         else:
             if entry.get("type") != expected["type"]:
                 raise _mismatch(
-                    path, f"{leaf.path} is a {entry.get('type')} in the file but a {expected['type']} in like"
+                    path, f"{leaf.where} is a {entry.get('type')} in the file but a {expected['type']} in like"
                 )
             # Python scalars (the step counter) come from the file; objects (the rule) from like.
             new_values.append(entry.get("value") if kind == "value" else leaf.value)

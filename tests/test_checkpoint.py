@@ -107,6 +107,92 @@ def test_torch_module_round_trip(tmp_path):
     torch.testing.assert_close(other.bias, net.bias, rtol=0, atol=0)
 
 
+def _frozen_bn_net():
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1)).double()
+    net[0].weight.requires_grad_(False)  # frozen (fine-tuning)
+    return net
+
+
+def test_torch_module_keeps_frozen_parameters_and_buffers(tmp_path):
+    need("torch")
+    import torch
+
+    torch.manual_seed(0)
+    net = _frozen_bn_net()
+    net(torch.randn(8, 3, dtype=torch.float64))  # training mode: updates BatchNorm's running statistics
+    loss = lambda m, x: (m(x) ** 2).mean()  # noqa: E731
+    state = optim.setup(optim.Adam(0.1), net)
+    data = [(np.random.default_rng(0).normal(size=(8, 3)),)] * 2
+    state, net = ad.train(loss, net, data, state, backend=ad.Implicit("torch"), progress=False)
+    ad.save_checkpoint(tmp_path / "net.npz", state, net)
+    other = _frozen_bn_net()
+    frozen = other[0].weight
+    s2, m2 = ad.load_checkpoint(tmp_path / "net.npz", like=(optim.setup(optim.Adam(0.1), other), other))
+    assert m2 is other and other[0].weight is frozen and not frozen.requires_grad
+    for name, t in net.state_dict().items():  # frozen weight, running mean/var and num_batches_tracked too
+        torch.testing.assert_close(other.state_dict()[name], t, rtol=0, atol=0, msg=name)
+    assert int(other[1].num_batches_tracked) == 3
+    # the optimiser state is still one entry per trainable parameter, in Params order
+    assert len(s2.tree) == len(ad.Params(other)) == 5
+    for a, b in zip(s2.tree, state.tree):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    a = ad.train(loss, net, data, state, backend=ad.Implicit("torch"), progress=False)
+    b = ad.train(loss, other, data, s2, backend=ad.Implicit("torch"), progress=False)
+    for u, v in zip(a[1].state_dict().values(), b[1].state_dict().values()):
+        torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+def test_torch_mismatch_names_the_buffer_and_assigns_nothing(tmp_path):
+    need("torch")
+    import torch
+
+    net = _frozen_bn_net()
+    ad.save_checkpoint(tmp_path / "net.npz", optim.setup(optim.Descent(), net), net)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))  # float32
+    other[0].weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ad.CheckpointError, match=r"model/variable0 \(0.weight\) is float64\(3, 3\) in the file"):
+        ad.load_checkpoint(tmp_path / "net.npz", like=(optim.setup(optim.Descent(), other), other))
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_keras_model_keeps_non_trainable_variables(tmp_path):
+    need("tensorflow")
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("Keras runs on the tensorflow backend only here")
+
+    def make():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.BatchNormalization()])
+
+    model = make()
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    model(x, training=True)  # updates the moving mean and variance (non-trainable)
+    assert len(model.non_trainable_variables) == 2
+    state = optim.setup(optim.Descent(0.1), model)
+    ad.save_checkpoint(tmp_path / "k.npz", state, model)
+    other = make()
+    s2, m2 = ad.load_checkpoint(tmp_path / "k.npz", like=(optim.setup(optim.Descent(0.1), other), other))
+    assert m2 is other and len(s2.tree) == len(model.trainable_variables)
+    for u, v in zip(model.variables, other.variables):
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(u))
+    assert np.any(np.asarray(other.layers[1].moving_mean) != 0)
+
+
+def test_zero_dimensional_arrays_round_trip(tmp_path):
+    b = ad.Implicit("finite_differences")
+    vs = ad.variables({"w": np.zeros(3), "s": np.array(2.5)}, b)
+    state = optim.setup(optim.Momentum(0.1), vs)
+    ad.save_checkpoint(tmp_path / "c.npz", state, vs)
+    other = ad.variables({"w": np.ones(3), "s": np.array(0.0)}, b)
+    ad.load_checkpoint(tmp_path / "c.npz", like=(optim.setup(optim.Momentum(0.1), other), other))
+    assert other["s"].value.shape == () and float(other["s"].value) == 2.5
+
+
 # ------------------------------------------------------------------ atomic writes
 def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path, monkeypatch):
     state, model = trained()
