@@ -414,13 +414,24 @@ def _unflatten_grads(meta: _Identity, values: Any) -> Grads:
     return Grads(list(meta.params), list(values))
 
 
-optree.register_pytree_node(
-    Grads,
-    _flatten_grads,
-    _unflatten_grads,
-    # the global namespace, so that plain optree.tree_map (and ad.to_numpy) sees Grads
-    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),  # noqa: B009
-)
+def _register_grads() -> None:
+    # Grads must be a node in optree's global namespace, the one plain optree.tree_map and
+    # ad.to_numpy consult.  optree's public register_pytree_node (0.20) accepts only a
+    # non-empty namespace string, which registers in a named namespace that those calls
+    # never see; the global one is reachable only through this private sentinel.  If a
+    # later optree removes or refuses it, Grads is registered under "abstractdiff" and is a
+    # leaf to plain optree calls (which then need namespace="abstractdiff").
+    sentinel = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
+    if sentinel is not None:
+        try:
+            optree.register_pytree_node(Grads, _flatten_grads, _unflatten_grads, namespace=sentinel)
+            return
+        except (TypeError, ValueError):
+            pass
+    optree.register_pytree_node(Grads, _flatten_grads, _unflatten_grads, namespace="abstractdiff")
+
+
+_register_grads()
 
 
 # ------------------------------------------------------------------ variables
