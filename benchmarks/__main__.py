@@ -10,11 +10,13 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 import abstractdiff as ad
 
+from . import import_time, memory
 from .harness import Result, run_backend
 from .workloads import WORKLOADS
 
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-time", type=float, default=0.05, help="seconds per variant per round")
     parser.add_argument("--output", default=os.path.join("docs", "benchmarks.md"))
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory comparison")
+    parser.add_argument("--no-import", action="store_true", help="skip the import-time comparison")
     opts = parser.parse_args(argv)
 
     available = set(ad.available_backends())
@@ -84,12 +88,44 @@ def main(argv: list[str] | None = None) -> int:
             results.extend(run_backend(be, wl, opts.dtype, opts.rounds, opts.min_time))
     lines = table(results)
     print("\n".join(lines))
+    memory_lines: list[str] = []
+    if not opts.no_memory:
+        print("  peak memory (fresh processes) ...", file=sys.stderr, flush=True)
+        memory_lines = memory.table(memory.run_all(backends, opts.dtype))
+        print("\n".join(memory_lines))
+    import_lines: list[str] = []
+    if not opts.no_import:
+        print("  import time (fresh interpreters) ...", file=sys.stderr, flush=True)
+        import_lines = import_table()
+        print("\n".join(import_lines))
     if not opts.no_write:
-        write_markdown(opts, workloads, lines)
+        write_markdown(opts, workloads, lines, memory_lines, import_lines)
     return 0
 
 
-def write_markdown(opts: argparse.Namespace, workloads: list[str], lines: list[str]) -> None:
+def import_table(repeat: int = 15) -> list[str]:
+    """Median wall and CPU time of ``import numpy`` and ``import abstractdiff``, interleaved."""
+    import_time.time_import("numpy", 1)  # warm caches and .pyc files first
+    import_time.time_import("abstractdiff", 1)
+    numpy_ms, ad_ms = [], []
+    for _ in range(repeat):
+        numpy_ms += import_time.time_import("numpy", 1)
+        ad_ms += import_time.time_import("abstractdiff", 1)
+    lines = ["| clock | import numpy (ms) | import abstractdiff (ms) | difference (ms) |", "|---|---:|---:|---:|"]
+    for k, clock in enumerate(("wall", "CPU")):
+        a = statistics.median(t[k] for t in numpy_ms)
+        b = statistics.median(t[k] for t in ad_ms)
+        lines.append(f"| {clock} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+    return lines
+
+
+def write_markdown(
+    opts: argparse.Namespace,
+    workloads: list[str],
+    lines: list[str],
+    memory_lines: list[str],
+    import_lines: list[str],
+) -> None:
     descriptions = [f"- `{name}`: {WORKLOADS[name]().description}" for name in workloads]
     targets = [
         f"- `{name}`: prepared <= {p}" + (f", unprepared <= {u}" if u else "") for name, (p, u) in TARGETS.items()
@@ -119,6 +155,23 @@ def write_markdown(opts: argparse.Namespace, workloads: list[str], lines: list[s
             "Targets (ratio to native):",
             "",
             *targets,
+            "",
+            "## Peak memory of a gradient",
+            "",
+            "Growth of the process's peak resident set over its size before the first call, for three "
+            "`value_and_gradient` calls of the GMM objective with n=10000 (compilation included, which native "
+            "and abstractdiff share); median of 3 fresh processes per cell (`python -m benchmarks.memory`). "
+            "Target: no more than 10% above native.",
+            "",
+            *(memory_lines or ["(not measured in this run: --no-memory)"]),
+            "",
+            "## Import time",
+            "",
+            "`import abstractdiff` against `import numpy`, each in 15 fresh interpreters, interleaved, median "
+            "(`python -m benchmarks.import_time` also attributes the difference to packages). Target: at most "
+            "50 ms more than `import numpy`. Importing abstractdiff imports no AD library.",
+            "",
+            *(import_lines or ["(not measured in this run: --no-import)"]),
             "",
         ]
     )

@@ -177,6 +177,15 @@ def _check_agree(reference: Any, other: Any, rtol: float) -> None:
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b))))
 
 
+def _synchronizer(name: str) -> Callable[[Any], Any]:
+    """Wait for the result where the library dispatches asynchronously (jax), as native does."""
+    if name == "jax":
+        import jax
+
+        return jax.block_until_ready
+    return lambda out: out
+
+
 def run_backend(name: str, wl: Workload, dtype: str, rounds: int, min_time: float) -> list[Result]:
     b = ad.backend(name)
     x, args = _to(b, wl.x, dtype), _to(b, wl.args, dtype)
@@ -184,9 +193,10 @@ def run_backend(name: str, wl: Workload, dtype: str, rounds: int, min_time: floa
     results: list[Result] = []
     if name in NATIVE:
         calls["native"] = NATIVE[name](wl, x, args)
-    calls["abstractdiff"] = lambda: ad.value_and_gradient(b, wl.f, x, *args)
+    sync = _synchronizer(name)
     prepared = ad.prepare_value_and_gradient(b, wl.f, x, *args)
-    calls["abstractdiff prepared"] = lambda: prepared(x, *args)
+    calls["abstractdiff"] = lambda: sync(ad.value_and_gradient(b, wl.f, x, *args))
+    calls["abstractdiff prepared"] = lambda: sync(prepared(x, *args))
     ep_call = eagerpy_call(wl, b, x, args)
     if isinstance(ep_call, str):
         results.append(Result(name, wl.name, "eagerpy", None, ep_call))
