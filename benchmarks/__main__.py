@@ -42,9 +42,9 @@ def _fmt(us: float | None) -> str:
 
 def table(results: list[Result]) -> list[str]:
     lines = [
-        "| workload | backend | native (us) | abstractdiff (us) | ratio | prepared (us) | ratio "
+        "| workload | backend | native (us) | spread | abstractdiff (us) | ratio | prepared (us) | ratio "
         "| EagerPy (us) | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     keys = sorted({(r.workload, r.backend) for r in results}, key=lambda k: (list(WORKLOADS).index(k[0]), k[1]))
     for wl, be in keys:
@@ -59,7 +59,8 @@ def table(results: list[Result]) -> list[str]:
             ratio = f"{r.median_us / base:.2f}" if base else ""
             return (_fmt(r.median_us), ratio)
 
-        row = [wl, be, _fmt(base), *cell("abstractdiff"), *cell("abstractdiff prepared"), *cell("eagerpy")]
+        spread = f"±{50 * native.spread:.0f}%" if native and native.spread is not None else ""
+        row = [wl, be, _fmt(base), spread, *cell("abstractdiff"), *cell("abstractdiff prepared"), *cell("eagerpy")]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -144,7 +145,9 @@ def write_markdown(
             "torch `autograd.grad` on fresh leaves, tensorflow `tf.function` around a `GradientTape`, autograd "
             "`value_and_grad`); *abstractdiff* is `ad.value_and_gradient(b, f, x, *args)`; *prepared* is "
             "`ad.prepare_value_and_gradient(...)` called repeatedly; *EagerPy* is `eagerpy.value_and_grad` "
-            "(one tensor: pytrees are raveled).",
+            "(one tensor: pytrees are raveled). *spread* is half the interquartile range of native's per-round "
+            "times relative to its median: ratios closer to 1 than that are within this machine's noise (a ratio "
+            "below 1 means nothing more).",
             "",
             "Workloads:",
             "",

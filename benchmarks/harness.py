@@ -31,6 +31,7 @@ class Result:
     variant: str
     median_us: float | None
     note: str = ""
+    spread: float | None = None  # interquartile range over rounds, relative to the median
 
 
 def _static_positions(args: tuple) -> tuple[int, ...]:
@@ -142,8 +143,8 @@ def eagerpy_call(wl: Workload, b: ad.Backend, x: Any, args: tuple) -> Call | str
 
 
 # ------------------------------------------------------------------ timing
-def _time_rounds(calls: dict[str, Call], rounds: int, min_time: float) -> dict[str, float]:
-    """Median seconds per call for each variant, interleaved round by round."""
+def _time_rounds(calls: dict[str, Call], rounds: int, min_time: float) -> dict[str, tuple[float, float]]:
+    """``(median seconds per call, relative spread)`` per variant, interleaved round by round."""
     inner: dict[str, int] = {}
     for name, call in calls.items():  # warm up (compiles), then size the inner loop
         call()
@@ -166,7 +167,12 @@ def _time_rounds(calls: dict[str, Call], rounds: int, min_time: float) -> dict[s
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {name: statistics.median(s) for name, s in samples.items()}
+    out = {}
+    for name, s in samples.items():
+        q1, _, q3 = statistics.quantiles(s, n=4) if len(s) > 1 else (s[0], s[0], s[0])
+        median = statistics.median(s)
+        out[name] = (median, (q3 - q1) / median)
+    return out
 
 
 def _check_agree(reference: Any, other: Any, rtol: float) -> None:
@@ -209,5 +215,5 @@ def run_backend(name: str, wl: Workload, dtype: str, rounds: int, min_time: floa
         if variant in calls:
             _check_agree(reference, calls[variant](), rtol)
     medians = _time_rounds(calls, rounds, min_time)
-    results[:0] = [Result(name, wl.name, v, t * 1e6) for v, t in medians.items()]
+    results[:0] = [Result(name, wl.name, v, t * 1e6, spread=sp) for v, (t, sp) in medians.items()]
     return results
