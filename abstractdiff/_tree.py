@@ -163,16 +163,7 @@ class FlatFunction:
 
     def __call__(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
         x, args = self.rebuild(xs, data)
-        out = self.f(x, *args)
-        if self.has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise InvalidOutputError(
-                    f"with has_aux=True, f must return a pair (y, aux); it returned "
-                    f"{type(out).__name__}"
-                )
-            y, aux = out
-        else:
-            y, aux = out, None
+        y, aux = split_aux(self.f(x, *args), self.has_aux)
         return check_output(y), aux
 
     def unflatten_x(self, values: list[Any], fill: Any = None) -> PyTree:
@@ -186,6 +177,17 @@ class FlatFunction:
         f = self._f()
         name = getattr(f, "__qualname__", repr(f))
         return f"FlatFunction({name}, x={self.x_treedef})"
+
+
+def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(y, aux)`` from what ``f`` returned: ``(out, None)``, or the pair with ``has_aux``."""
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise InvalidOutputError(
+            f"with has_aux=True, f must return a pair (y, aux); it returned {type(out).__name__}"
+        )
+    return out
 
 
 def check_output(y: Any) -> Any:

@@ -38,22 +38,9 @@ from abstractdiff._errors import ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._implicit import TENSORFLOW, TORCH, Grads, Params, Variable, _reads, _tf_variable
 from abstractdiff._registry import _lookup
 from abstractdiff._registry import backend as _backend
-from abstractdiff._tree import _weak_callable, check_output, is_array
+from abstractdiff._tree import _weak_callable, check_output, is_array, split_aux
 
 _EXPLICIT_ONLY = ("value_and_pushforward", "pushforward", "derivative", "jacobian", "hessian", "hvp")
-
-
-def _split(out: Any, has_aux: bool) -> tuple[Any, Any]:
-    # The torch and tensorflow routes call f(*args) themselves; this is the has_aux check
-    # of abstractdiff._tree.FlatFunction.__call__, which works on flat leaf lists and has
-    # no helper of its own to call (a shared helper there would remove this copy).
-    if not has_aux:
-        return out, None
-    if not (isinstance(out, tuple) and len(out) == 2):
-        from abstractdiff._errors import InvalidOutputError
-
-        raise InvalidOutputError(f"with has_aux=True, f must return a pair (y, aux); it returned {type(out).__name__}")
-    return out
 
 
 class _Seen(threading.local):
@@ -388,7 +375,7 @@ def _torch_value_and_gradient(inner: Backend, f: Callable[..., Any], params: lis
     import torch
 
     with torch.enable_grad():
-        y, aux = _split(f(*args), has_aux)
+        y, aux = split_aux(f(*args), has_aux)
         y = _torch_output(y)
         check_scalar(y)
         if y.requires_grad:
@@ -437,7 +424,7 @@ def _tf_value_and_gradient(f: Callable[..., Any], params: list, args: tuple, has
     watched = [_tf_variable(v) for v in params]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(watched)
-        y, aux = _split(f(*args), has_aux)
+        y, aux = split_aux(f(*args), has_aux)
         y = _tf_output(y)
     check_scalar(y)
     grads = tape.gradient(y, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO)
