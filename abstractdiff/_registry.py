@@ -201,7 +201,7 @@ def backend(name: str | Backend, **options: Any) -> Backend:
     Example:
         >>> import abstractdiff as ad
         >>> ad.backend("finite_differences")
-        FiniteDifferencesBackend(device='cpu', step=None)
+        FiniteDifferencesBackend(device='cpu', step=None, compute_dtype=None)
     """
     if isinstance(name, Backend):
         if options:

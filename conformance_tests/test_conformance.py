@@ -60,3 +60,40 @@ def test_backends_agree(request: pytest.FixtureRequest, ad_dtype: str) -> None:
     if len(reports) < 2:
         pytest.skip(f"needs two backends to compare, found {[r.backend for r in reports]}")
     _grid.assert_report(compare_reports(reports), XFAILS)
+
+
+#: Agreement with the finite-differences oracle (differences taken in float64, results in
+#: the scenario's dtype), per dtype: first order at the figures the adapters promise,
+#: second order at what nested differences reach (about 1e-8 to 1e-7 relative).
+ORACLE_RTOL = {"float64": 1e-9, "float32": 1e-4}
+ORACLE_RTOL_SECOND_ORDER = {"float64": 1e-6, "float32": 1e-4}
+
+
+def test_backends_match_the_finite_difference_oracle(request: pytest.FixtureRequest, ad_dtype: str) -> None:
+    """Each exact backend (explicit and implicit) against finite differences evaluated in float64."""
+    import abstractdiff as ad
+    from abstractdiff.testing import is_approximate
+    from abstractdiff.testing._check import SECOND_ORDER
+
+    oracle = ad.backend("finite_differences", compute_dtype="float64")
+    oracle_report = _grid.report_for(oracle, ad_dtype)
+    _grid.assert_report(oracle_report, XFAILS)
+    names, required = _grid.backend_names(request.config)
+    compared = []
+    for implicit in (False, True):
+        for name in names:
+            case = _grid.Case(name, "cpu", ad_dtype, required, implicit)
+            try:
+                b = _grid.load(case)
+            except pytest.skip.Exception:
+                continue  # reported by test_explicit / test_implicit for that case
+            if is_approximate(b):
+                continue
+            report = _grid.cached_report(b, ad_dtype, AGREEMENT_SCENARIOS)
+            for rtol, second_order in ((ORACLE_RTOL, False), (ORACLE_RTOL_SECOND_ORDER, True)):
+                agreement = compare_reports([oracle_report, report], rtol=rtol)
+                agreement.results = [r for r in agreement.results if (r.operator in SECOND_ORDER) == second_order]
+                _grid.assert_report(agreement, XFAILS)
+            compared.append(report.backend)
+    if not compared:
+        pytest.skip("no exact backend available to compare with the finite-differences oracle")

@@ -116,7 +116,7 @@ def test_backend_equality_and_repr():
     assert FiniteDifferencesBackend() == FiniteDifferencesBackend()
     assert hash(FiniteDifferencesBackend()) == hash(FiniteDifferencesBackend())
     assert FiniteDifferencesBackend(step=1e-3) != FiniteDifferencesBackend()
-    assert repr(FiniteDifferencesBackend(step=1e-3)) == "FiniteDifferencesBackend(device='cpu', step=0.001)"
+    assert repr(FiniteDifferencesBackend(step=1e-3)) == "FiniteDifferencesBackend(device='cpu', step=0.001, compute_dtype=None)"
 
 
 # ------------------------------------------------------------------------ third party
