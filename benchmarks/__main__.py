@@ -161,9 +161,10 @@ def write_markdown(
             "",
             "## Peak memory of a gradient",
             "",
-            "Growth of the process's peak resident set over its size before the first call, for three "
-            "`value_and_gradient` calls of the GMM objective with n=10000 (compilation included, which native "
-            "and abstractdiff share); median of 3 fresh processes per cell (`python -m benchmarks.memory`). "
+            "Growth of the process's peak resident set over its size just before, for three "
+            "`value_and_gradient` calls of the GMM objective with n=10000 after one warm-up call (which "
+            "compiles); median of 3 fresh processes per cell (`python -m benchmarks.memory`), "
+            "with a fixed malloc mmap threshold and one TensorFlow inter-op thread so that the figure repeats. "
             "Target: no more than 10% above native.",
             "",
             *(memory_lines or ["(not measured in this run: --no-memory)"]),
