@@ -116,7 +116,8 @@ def test_backend_equality_and_repr():
     assert FiniteDifferencesBackend() == FiniteDifferencesBackend()
     assert hash(FiniteDifferencesBackend()) == hash(FiniteDifferencesBackend())
     assert FiniteDifferencesBackend(step=1e-3) != FiniteDifferencesBackend()
-    assert repr(FiniteDifferencesBackend(step=1e-3)) == "FiniteDifferencesBackend(device='cpu', step=0.001, compute_dtype=None)"
+    expected = "FiniteDifferencesBackend(device='cpu', step=0.001, compute_dtype=None)"
+    assert repr(FiniteDifferencesBackend(step=1e-3)) == expected
 
 
 # ------------------------------------------------------------------------ third party
