@@ -114,7 +114,9 @@ def load(case: Case) -> Backend:
 
 def report_for(b: Backend, dtype: str, names: tuple[str, ...] | None = None) -> Report:
     """``check_backend`` on the default scenarios of ``dtype`` (or those ``names``), cached per process."""
-    key = (backend_label(b), b.device, dtype, names)
+    # repr(b) carries every option (device, compile, compute_dtype...): two backends of one
+    # name with different options must not share a report.
+    key = (backend_label(b), repr(b), dtype, names)
     if key not in _REPORTS:
         _REPORTS[key] = check_backend(b, default_scenarios(dtype, names))
     return _REPORTS[key]
@@ -122,7 +124,7 @@ def report_for(b: Backend, dtype: str, names: tuple[str, ...] | None = None) -> 
 
 def cached_report(b: Backend, dtype: str, names: tuple[str, ...]) -> Report:
     """The full report if this process already has it, else one on the scenarios ``names`` only."""
-    full = _REPORTS.get((backend_label(b), b.device, dtype, None))
+    full = _REPORTS.get((backend_label(b), repr(b), dtype, None))
     return full if full is not None else report_for(b, dtype, names)
 
 
