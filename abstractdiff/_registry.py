@@ -27,6 +27,7 @@ class _Entry:
     target: str | Callable[..., Backend]  # "module:attr", or a factory
     requires: tuple[str, ...] = ()  # top-level modules that must be importable
     extra: str | None = None  # pip extra that installs them
+    runtime: bool = False  # registered by ad.register_backend in this process
 
 
 _BUILTIN: dict[str, _Entry] = {
@@ -71,7 +72,7 @@ def register_backend(
     with _lock:
         if name in _registry and not replace:
             raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it")
-        _registry[name] = _Entry(factory, tuple(requires))
+        _registry[name] = _Entry(factory, tuple(requires), runtime=True)
         for key in [k for k in _instances if k[0] == name]:
             del _instances[key]
 
@@ -127,6 +128,13 @@ def available_backends() -> list[str]:
     """
     _load_entry_points()
     return sorted(name for name, entry in _registry.items() if _missing_module(entry) is None)
+
+
+def installed_backends() -> list[str]:
+    """The available backends that are built in or installed through the entry-point group,
+    leaving out those registered at run time with :func:`register_backend` (the default
+    backends of the conformance suite: what another test registered must not join it)."""
+    return [name for name in available_backends() if not _registry[name].runtime]
 
 
 def unavailable_reason(name: str) -> str | None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import optim
 from ._convert import to_numpy
-from ._registry import available_backends, backend
+from ._registry import backend, installed_backends
 
 __all__ = ["ParityResult", "ParitySummary", "RTOL", "mlp_init", "mlp_loss", "training_parity"]
 
@@ -209,7 +209,7 @@ def training_parity(
     epochs = max(1, math.ceil(steps / n_batches))
     summary = ParitySummary(steps=epochs * n_batches, rule=repr(rule))
     refs = {dtype: reference(rule, dtype, epochs) for dtype in dtypes}
-    names = available_backends() if backends is None else list(backends)
+    names = installed_backends() if backends is None else list(backends)
     any_accelerator = False
     for name in names:
         if name in SKIP:

@@ -319,3 +319,13 @@ def test_registration_naming_a_missing_attribute_is_a_clear_error(clean_registry
         ad.backend("misspelt")
     assert isinstance(err.value, ImportError)
     assert "misspelt" in str(err.value)
+
+
+def test_backends_registered_at_run_time_are_not_installed_ones(clean_registry):
+    from abstractdiff._registry import installed_backends
+
+    ad.register_backend("run_time_fd", lambda **o: ad.backend("finite_differences"))
+    assert "run_time_fd" in ad.available_backends()
+    # the conformance suite's default backends: a test's registration must not join them
+    assert "run_time_fd" not in installed_backends()
+    assert "finite_differences" in installed_backends()
