@@ -50,14 +50,20 @@ _LAZY = {
     "Grads": "abstractdiff._implicit",
     "Variable": "abstractdiff._implicit",
     "variables": "abstractdiff._implicit",
-    "Implicit": "abstractdiff.adapters.implicit",
+    "Implicit": "abstractdiff._implicit_backend",
     "train_step": "abstractdiff._train",
     "train": "abstractdiff._train",
     "save_checkpoint": "abstractdiff._checkpoint",
     "load_checkpoint": "abstractdiff._checkpoint",
-    "prepare_gradient": "abstractdiff._prepare",
-    "prepare_value_and_gradient": "abstractdiff._prepare",
-    "prepare_pullback": "abstractdiff._prepare",
+    "StepInfo": "abstractdiff._train",
+    **{
+        name: "abstractdiff._prepare"
+        for name in (
+            "prepare_derivative", "prepare_gradient", "prepare_hessian", "prepare_hvp", "prepare_jacobian",
+            "prepare_pullback", "prepare_pushforward", "prepare_value_and_gradient", "prepare_value_and_pullback",
+            "prepare_value_and_pushforward",
+        )
+    },
 }
 _SUBMODULES = ("optim", "testing")
 
@@ -86,9 +92,17 @@ __all__ = [
     "Variable",
     "load_checkpoint",
     "optim",
+    "StepInfo",
+    "prepare_derivative",
     "prepare_gradient",
+    "prepare_hessian",
+    "prepare_hvp",
+    "prepare_jacobian",
     "prepare_pullback",
+    "prepare_pushforward",
     "prepare_value_and_gradient",
+    "prepare_value_and_pullback",
+    "prepare_value_and_pushforward",
     "save_checkpoint",
     "testing",
     "train",

@@ -63,17 +63,17 @@ def _path_str(path: tuple) -> str:
 def _model_variables(model: Any) -> list[tuple[str, Any]]:
     """Every variable of a model holding variables, as ``(name, variable)``, once each.
 
-    Models are saved whole: a torch module's parameters, frozen ones included, and its
-    buffers (BatchNorm's running statistics), in ``state_dict`` order and with its
-    names; every variable of a tf.Module / Keras model (non-trainable ones too);
-    variables themselves and ``ad.Params`` as they are.  The optimiser state covers the
-    trainable ones only, in Params order.
+    Models are saved whole: what each library's ``model_state`` hook lists (a torch
+    module's parameters, frozen ones included, and its buffers, with their
+    ``state_dict`` names; every variable of a tf.Module / Keras model), variables
+    themselves and ``ad.Params`` as they are.  The optimiser state covers the trainable
+    ones only, in Params order.
     """
-    from ._implicit import _kind, _module, _module_variables
+    from ._implicit import is_variable_or_model
+    from ._registry import backend_for
 
     if optim._is_params(model):
         return [("", v) for v in model]
-    torch = _module("torch")
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -82,13 +82,12 @@ def _model_variables(model: Any) -> list[tuple[str, Any]]:
             seen.add(id(var))
             found.append((name, var))
 
-    for leaf in optree.tree_leaves(model, is_leaf=lambda v: _kind(v) is not None):
-        if torch is not None and isinstance(leaf, torch.nn.Module):
-            for name, t in leaf.state_dict(keep_vars=True).items():
-                add(name, t)
-        elif _module_variables(leaf) is not None:
-            for var in leaf.variables:
-                add("", var)
+    for leaf in optree.tree_leaves(model, is_leaf=is_variable_or_model):
+        owner = backend_for(leaf)
+        state = None if owner is None else owner.model_state(leaf)
+        if state is not None:
+            for name, var in state:
+                add(name, var)
         elif optim._is_variable(leaf):
             add("", leaf)
     return found
@@ -214,25 +213,11 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 def _to_like(a: np.ndarray, like: Any) -> Any:
-    """``a`` as an array of the same library and device as ``like``."""
-    lib = type(like).__module__.partition(".")[0]
-    if lib == "torch":
-        import torch
+    """``a`` as an array of the same library and device as ``like`` (its adapter's ``asarray_like``)."""
+    from ._registry import backend_for
 
-        t = torch.as_tensor(a, device=like.device)
-        return t.requires_grad_() if like.requires_grad and t.is_floating_point() else t
-    if lib in ("jax", "jaxlib"):
-        import jax
-
-        device = next(iter(like.devices())) if hasattr(like, "devices") else None
-        with optim.x64_scope([like]):
-            return jax.device_put(a, device)
-    if lib in ("tensorflow", "keras"):
-        import tensorflow as tf
-
-        with tf.device(like.device):
-            return tf.identity(tf.convert_to_tensor(a))
-    return a  # numpy, autograd (numpy arrays)
+    owner = backend_for(like)
+    return a if owner is None else owner.asarray_like(a, like)  # numpy (and unknown types) stay numpy
 
 
 def _mismatch(path: str, what: str) -> CheckpointError:

@@ -3,12 +3,13 @@
 Zygote's implicit mode in Python: ``f`` takes no arguments and reads mutable variables,
 ``ad.Params(obj)`` names the variables to differentiate, and the gradient comes back as
 an ``ad.Grads`` mapping keyed by variable identity.  The variables are the libraries'
-own (torch leaf tensors and ``nn.Parameter``, ``tf.Variable`` and Keras variables) or,
-for libraries with immutable arrays (jax, autograd, numpy), an ``ad.Variable`` box.
-The differentiation itself lives in :mod:`abstractdiff.adapters.implicit`.
+own (recognised by their backend's ``is_variable`` hook: torch leaf tensors, ``tf.Variable``
+...) or, for libraries with immutable arrays (jax, autograd, numpy), an ``ad.Variable``
+box.  The differentiation itself is the ``ad.Implicit`` combinator
+(:mod:`abstractdiff._implicit_backend`).
 
-Nothing here imports an AD library: torch and tensorflow types are recognised only
-when their module is already loaded (a torch tensor cannot exist otherwise).
+Nothing here imports or names an AD library: the backend of a variable or model is found
+through the registry by its type (:func:`abstractdiff._registry.backend_for`).
 
 Running an explicit ``f(x, *args)`` implicitly (what the conformance suite does)::
 
@@ -22,7 +23,6 @@ None, vs)``.)
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -30,12 +30,11 @@ from typing import Any
 import numpy as np
 import optree
 
-from ._errors import NonDifferentiableInputError, ShapeMismatchError
+from ._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from ._registry import backend_for
 from ._tree import is_array, is_float_dtype
 
-__all__ = ["Grads", "Params", "Variable", "current_values", "variables"]
-
-TORCH, TENSORFLOW, BOX = "torch", "tensorflow", "box"
+__all__ = ["BOXES", "Grads", "Params", "Variable", "current_values", "variable_owner", "variables"]
 
 
 def _dtype_name(a: Any) -> str:
@@ -146,100 +145,83 @@ class Variable:
 
 
 # ------------------------------------------------------- recognising variables
-def _module(name: str) -> Any:
-    return sys.modules.get(name)
+class _Boxes:
+    """The variable hooks of ``ad.Variable`` boxes, named as an adapter's are, so that the
+    core treats every owner of variables alike (see :class:`abstractdiff._hooks.AdapterHooks`)."""
 
+    name = "ad.Variable"
 
-def _is_torch_tensor(v: Any) -> bool:
-    torch = _module("torch")
-    return torch is not None and isinstance(v, torch.Tensor)
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, Variable)
 
-
-def _is_tf_variable(v: Any) -> bool:
-    tf = _module("tensorflow")
-    return tf is not None and isinstance(v, tf.Variable)
-
-
-def _is_keras_variable(v: Any) -> bool:
-    keras = _module("keras")
-    return keras is not None and isinstance(v, getattr(keras, "Variable", ()))
-
-
-def _kind(v: Any) -> str | None:
-    if isinstance(v, Variable):
-        return BOX
-    if _is_torch_tensor(v):
-        return TORCH
-    if _is_tf_variable(v) or _is_keras_variable(v):
-        return TENSORFLOW
-    return None
-
-
-def _check_variable(v: Any, where: str) -> str:
-    kind = _kind(v)
-    if kind is None:
-        what = type(v).__name__ + (f" of shape {_shape(v)}" if is_array(v) else "")
-        raise TypeError(
-            f"{where} is a {what}, not a variable: ad.Params holds mutable variables (torch leaf "
-            f"tensors requiring grad, tf.Variable, ad.Variable), or a torch.nn.Module / tf.Module / "
-            f"Keras model. Wrap arrays in ad.Variable(array) (jax, autograd, numpy), or convert a "
-            f"whole tree with ad.variables(tree, backend)"
-        )
-    if kind == TORCH:
-        if not is_float_dtype(v.dtype):
-            raise NonDifferentiableInputError(
-                f"{where} is a torch tensor of dtype {v.dtype}; only float tensors can be parameters"
-            )
-        if not v.requires_grad:
-            raise TypeError(
-                f"{where} is a torch tensor that does not require grad; call .requires_grad_() on it "
-                f"(or create it with ad.variables(tree, 'torch'))"
-            )
-        if not v.is_leaf:
-            raise TypeError(
-                f"{where} is a torch tensor computed from other tensors (not a leaf); parameters must "
-                f"be leaf tensors: use the tensors it was computed from, or .detach().requires_grad_()"
-            )
-    elif kind == TENSORFLOW:
-        if _is_keras_variable(v) and not _is_tf_variable(_tf_variable(v)):
-            raise TypeError(
-                f"{where} is a Keras variable of the {type(v.value).__module__.partition('.')[0]!r} "
-                f"backend; the implicit adapter differentiates Keras models on the tensorflow backend "
-                f"(KERAS_BACKEND=tensorflow)"
-            )
-        if not is_float_dtype(v.dtype):
-            raise NonDifferentiableInputError(
-                f"{where} is a variable of dtype {v.dtype}; only float variables can be parameters"
-            )
-    else:
+    def check_variable(self, v: Any, where: str) -> None:
         if not is_float_dtype(v.dtype):
             raise NonDifferentiableInputError(
                 f"{where} is an ad.Variable of dtype {_dtype_name(v._value)}; only float variables can "
                 f"be parameters (pass integer data to f another way)"
             )
-    return kind
+
+    def read(self, var: Any) -> Any:
+        return var._value
+
+    def write(self, var: Any, value: Any) -> None:
+        var.value = value
+
+    def current_value(self, var: Any) -> Any:
+        return var.value
+
+    def swap(self, var: Any, value: Any) -> Any:
+        return var._swap(value)
+
+    def aliases(self, var: Any) -> tuple[Any, ...]:
+        return ()
+
+    def __repr__(self) -> str:
+        return "<ad.Variable boxes>"
 
 
-def _tf_variable(v: Any) -> Any:
-    """The ``tf.Variable`` a tape watches: Keras 3 variables wrap one in ``.value``."""
-    return v.value if _is_keras_variable(v) else v
+#: The owner of every ``ad.Variable``.
+BOXES = _Boxes()
 
 
-def _module_variables(obj: Any) -> tuple[list[Any], int] | None:
-    """``(trainable variables, number of frozen ones)`` of a model, or ``None``."""
-    torch = _module("torch")
-    if torch is not None and isinstance(obj, torch.nn.Module):
-        params = list(obj.parameters())  # already de-duplicated (shared weights)
-        trainable = [p for p in params if p.requires_grad]
-        return trainable, len(params) - len(trainable)
-    if _is_tf_variable(obj) or _is_keras_variable(obj):
+def variable_owner(v: Any) -> Any:
+    """Who knows how to read and write variable ``v``: :data:`BOXES` for an ``ad.Variable``,
+    the backend of its library for a library variable, ``None`` if ``v`` is not a variable."""
+    if isinstance(v, Variable):
+        return BOXES
+    b = backend_for(v)
+    return b if b is not None and b.is_variable(v) else None
+
+
+def model_variables(obj: Any) -> tuple[list[Any], int] | None:
+    """``(trainable variables, number of frozen ones)`` of a model (``nn.Module``, Keras...), or ``None``."""
+    if isinstance(obj, Variable):
         return None
-    if hasattr(obj, "trainable_variables") and hasattr(obj, "variables"):  # tf.Module, Keras layer/model
-        trainable = list(obj.trainable_variables)
-        ids = {id(v) for v in trainable}
-        frozen = [v for v in obj.variables if id(v) not in ids]
-        return trainable, len(frozen)
-    return None
+    b = backend_for(obj)
+    return None if b is None else b.model_variables(obj)
+
+
+def is_variable_or_model(obj: Any) -> bool:
+    """The ``is_leaf`` of trees holding variables: a variable or a model is not flattened further."""
+    if isinstance(obj, Variable):
+        return True
+    b = backend_for(obj)
+    return b is not None and (b.is_variable(obj) or b.model_variables(obj) is not None)
+
+
+def _check_variable(v: Any, where: str) -> Any:
+    """The owner of variable ``v``, after checking it can be a parameter."""
+    owner = variable_owner(v)
+    if owner is None:
+        what = type(v).__name__ + (f" of shape {_shape(v)}" if is_array(v) else "")
+        raise ModeMismatchError(
+            f"{where} is a {what}, not a variable: ad.Params holds mutable variables (a library's "
+            f"own, such as torch leaf tensors requiring grad or tf.Variable, or ad.Variable), or models "
+            f"(torch.nn.Module, tf.Module, Keras). Wrap arrays in ad.Variable(array) (jax, autograd, "
+            f"numpy), or convert a whole tree with ad.variables(tree, backend)"
+        )
+    owner.check_variable(v, where)
+    return owner
 
 
 # -------------------------------------------------------------------- Params
@@ -276,12 +258,12 @@ class Params:
         self._vars: list[Any] = []
         self._index: dict[int, int] = {}
         self.frozen = 0  # frozen model parameters left out
-        kinds: dict[str, str] = {}
+        owners: dict[str, Any] = {}
         if isinstance(obj, Params):
             obj = list(obj)
-        leaves, _ = optree.tree_flatten(obj, is_leaf=lambda v: _kind(v) is not None)
+        leaves, _ = optree.tree_flatten(obj, is_leaf=is_variable_or_model)
         for n, leaf in enumerate(leaves):
-            found = _module_variables(leaf)
+            found = model_variables(leaf)
             if found is not None:
                 vs, frozen = found
                 self.frozen += frozen
@@ -291,17 +273,21 @@ class Params:
             else:
                 vs, where = [leaf], f"leaf {n} of the tree given to ad.Params"
             for v in vs:
-                kind = _check_variable(v, f"{where} ({type(v).__name__})" if found is not None else where)
-                kinds.setdefault(kind, type(v).__name__)
+                owner = _check_variable(v, f"{where} ({type(v).__name__})" if found is not None else where)
+                owners.setdefault(owner.name, owner)
                 if id(v) not in self._index:
                     self._index[id(v)] = len(self._vars)
                     self._vars.append(v)
-        if len(kinds) > 1:
-            raise TypeError(
-                f"ad.Params mixes variables of different libraries ({', '.join(sorted(kinds.values()))}); "
+        if len(owners) > 1:
+            raise ModeMismatchError(
+                f"ad.Params mixes variables of different libraries ({', '.join(sorted(owners))}); "
                 f"differentiate each library's variables with its own ad.Implicit backend"
             )
-        self.kind: str | None = next(iter(kinds), None)
+        #: Who reads and writes these variables: :data:`BOXES` for ``ad.Variable``, else the
+        #: backend of their library; ``None`` when there is no variable.
+        self.owner: Any = next(iter(owners.values()), None)
+        #: The owner's name ("torch", "ad.Variable", ...), or ``None``.
+        self.kind: str | None = None if self.owner is None else self.owner.name
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._vars)
@@ -317,7 +303,7 @@ class Params:
 
     def __repr__(self) -> str:
         size = sum(int(np.prod(_shape(v))) for v in self._vars)
-        what = {TORCH: "torch", TENSORFLOW: "tensorflow", BOX: "ad.Variable", None: "none"}[self.kind]
+        what = self.kind or "none"
         frozen = f"; {self.frozen} frozen parameter{'s' * (self.frozen != 1)} skipped" if self.frozen else ""
         n = len(self._vars)
         return f"Params({n} variable{'s' * (n != 1)} ({what}), {size} values{frozen})"
@@ -366,8 +352,9 @@ class Grads(Mapping):
         self._values = list(values)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         for i, p in enumerate(self._params):  # a Keras variable is also found by its tf.Variable
-            if _is_keras_variable(p):
-                self._index.setdefault(id(_tf_variable(p)), i)
+            owner = variable_owner(p)
+            for alias in () if owner is None else owner.aliases(p):
+                self._index.setdefault(id(alias), i)
 
     def __getitem__(self, p: Any) -> Any:
         i = self._index.get(id(p))
@@ -445,12 +432,12 @@ def _inner(b: Any) -> Any:
 def variables(tree: Any, b: Any) -> Any:
     """The same pytree with each float array replaced by a fresh variable of backend ``b``.
 
-    ``variables(tree, b) -> tree``: torch leaf tensors requiring grad (on ``b``'s
-    device) for torch, ``tf.Variable`` for tensorflow, ``ad.Variable`` boxes holding
-    ``b``'s native arrays otherwise.  ``b`` is a backend, its name, or an
-    ``ad.Implicit`` backend.  Values are copied (the input is never shared or mutated);
-    integer arrays become ``b``'s native arrays and other leaves (ints, strings) are
-    returned unchanged.
+    ``variables(tree, b) -> tree``: the library's own variables where it has them (torch
+    leaf tensors requiring grad on ``b``'s device, ``tf.Variable``), ``ad.Variable`` boxes
+    holding ``b``'s native arrays otherwise (the backend's ``new_variable`` hook decides).
+    ``b`` is a backend, its name, or an ``ad.Implicit`` backend.  Values are copied (the
+    input is never shared or mutated); integer arrays become ``b``'s native arrays and
+    other leaves (ints, strings) are returned unchanged.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -461,42 +448,29 @@ def variables(tree: Any, b: Any) -> Any:
     inner = _inner(b)
 
     def make(leaf: Any) -> Any:
-        if isinstance(leaf, Variable):
-            leaf = leaf.value
-        elif _is_keras_variable(leaf):
-            leaf = _tf_variable(leaf)
+        owner = variable_owner(leaf)
+        if owner is not None:  # an existing variable: a new one holds a copy of its value
+            leaf = owner.read(leaf)
         if is_array(leaf) and not is_float_dtype(leaf.dtype):
             return inner.convert(leaf)  # data (integer arrays) as native arrays, as explicit mode does
         if not (isinstance(leaf, float) or is_array(leaf)):
             return leaf
-        value = inner.convert(leaf)
-        if inner.name == "torch":
-            return value.detach().clone().requires_grad_(True)
-        if inner.name == "tensorflow":
-            import tensorflow as tf
+        return inner.new_variable(inner.convert(leaf))
 
-            return tf.Variable(value)
-        if isinstance(value, np.ndarray):
-            value = value.copy()
-        return Variable(value)
-
-    return optree.tree_map(make, tree, is_leaf=lambda v: _kind(v) is not None)
+    return optree.tree_map(make, tree, is_leaf=is_variable_or_model)
 
 
 def current_values(tree: Any) -> Any:
     """The values a function of explicit arrays should see, read from a tree of variables.
 
-    ``ad.Variable`` -> its ``.value`` (the traced value while the implicit adapter runs
-    ``f``); ``tf.Variable`` (and Keras variables) -> a read of the variable (recorded
-    on the tape); torch tensors and every other leaf pass through.  Call it inside
-    ``f`` so that the reads are seen by the differentiation.
+    Each variable's ``current_value`` hook: an ``ad.Variable``'s ``.value`` (the traced
+    value while the implicit adapter runs ``f``), a read of a ``tf.Variable`` (recorded
+    on the tape), a torch parameter itself; every other leaf passes through.  Call it
+    inside ``f`` so that the reads are seen by the differentiation.
     """
 
     def read(leaf: Any) -> Any:
-        if isinstance(leaf, Variable):
-            return leaf.value
-        if _is_tf_variable(leaf) or _is_keras_variable(leaf):
-            return _tf_variable(leaf).read_value()
-        return leaf
+        owner = variable_owner(leaf)
+        return leaf if owner is None else owner.current_value(leaf)
 
-    return optree.tree_map(read, tree, is_leaf=lambda v: _kind(v) is not None)
+    return optree.tree_map(read, tree, is_leaf=is_variable_or_model)

@@ -175,11 +175,3 @@ def hvp(b: Backend | str, f: Callable[..., Any], x: Any, v: Any, *args: Any) -> 
         array([ 6., 12.])
     """
     return _b(b).hvp(f, x, v, *args)
-
-
-# TensorFlow's autograph rewrites the Python source of every function called inside a
-# user's tf.function, ours included, and has been seen to mix up converted methods.  Our
-# operators need no rewriting (they call TensorFlow ops directly), so mark them the way
-# tf.autograph.experimental.do_not_convert does: autograph calls such functions as they are.
-for _name in __all__:
-    globals()[_name].autograph_info__ = frozenset()

@@ -1,44 +1,230 @@
-"""Prepared operators: do the per-function work once, then call many times.
+"""Preparation: one typed object per operator, and "unprepared" is prepare-then-call.
 
-``prepare_gradient(b, f, x, *args)`` flattens ``f(x, *args)``, classifies its leaves,
-builds the flat function and asks the adapter for its fastest callable (a jitted
-``value_and_grad``, a ``tf.function``...) once.  Each call then only flattens the new
-inputs, checks that structure, shapes and dtypes still match the preparation (raising
-:class:`~abstractdiff.ShapeMismatchError` otherwise: never silently wrong) and runs.
+Following DifferentiationInterface.jl, every operator has a *preparation*: a
+:class:`Preparation` subclass holding the flat function and whatever the adapter built
+for it once (a jitted ``value_and_grad``, a ``tf.function``...), with a ``run`` method
+that computes the operator from flat leaves.  The unprepared operator
+``ad.gradient(b, f, x)`` flattens ``f(x, *args)`` through the plan cache, fetches the
+preparation cached on that flat function for the inputs' signature, and runs it; the
+prepared operator ``ad.prepare_gradient(b, f, x)`` holds the same preparation and, on
+each call, checks that structure, shapes, dtypes and static leaves still match the
+preparation (:class:`~abstractdiff.ShapeMismatchError` otherwise: never silently
+wrong) before running it.  One code path, so the two cannot drift apart.
+
+A prepared operator freezes ``f`` as it is at preparation: a compiled backend traced it
+then, so values ``f`` reads from globals or closures are those of that moment.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import optree
 
-from ._backend import Backend, check_scalar, dtype_name, shape_of
+from ._arrays import check_scalar, dtype_name, shape_of
 from ._errors import ShapeMismatchError
-from ._registry import backend as _get_backend
 from ._tree import FlatFunction, _static_key, is_array
 
-__all__ = ["prepare_gradient", "prepare_pullback", "prepare_value_and_gradient"]
+__all__ = [
+    "prepare_derivative",
+    "prepare_gradient",
+    "prepare_hessian",
+    "prepare_hvp",
+    "prepare_jacobian",
+    "prepare_pullback",
+    "prepare_pushforward",
+    "prepare_value_and_gradient",
+    "prepare_value_and_pullback",
+    "prepare_value_and_pushforward",
+]
 
 
+# ------------------------------------------------------------- preparations
+class Preparation:
+    """One operator prepared for one flat function (and one input signature).
+
+    ``run(xs, data, *extra)`` computes the operator from the native float leaves ``xs``
+    and data leaves ``data`` and returns the user-facing result (trees shaped like
+    ``x``).  Built by :meth:`abstractdiff.Backend.preparation`, cached on the flat
+    function, shared by the prepared and the unprepared operator.
+    """
+
+    operator: ClassVar[str] = "operator"
+
+    def __init__(self, backend: Any, fn: FlatFunction, xs: list, data: list):
+        self.backend = backend
+        self.fn = fn
+        self.setup(xs, data)
+
+    def setup(self, xs: list, data: list) -> None:
+        """Build what the adapter can build once (called with the first inputs)."""
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fn!r}, {self.backend!r})"
+
+
+class ValueAndGradientPrep(Preparation):
+    """``(y, g)``, or ``((y, aux), g)`` when ``f`` has aux."""
+
+    operator = "value_and_gradient"
+
+    def setup(self, xs: list, data: list) -> None:
+        self._run = self.backend.flat_prepare_value_and_gradient(self.fn, xs, data)
+
+    def value_aux_gradient(self, xs: list, data: list) -> tuple[Any, Any, Any]:
+        y, aux, grads = self._run(xs, data)
+        check_scalar(y)
+        return y, aux, self.fn.unflatten_x(self.backend.complete(grads, xs))
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        y, aux, g = self.value_aux_gradient(xs, data)
+        return ((y, aux), g) if self.fn.has_aux else (y, g)
+
+
+class GradientPrep(ValueAndGradientPrep):
+    """``g``, or ``(g, aux)`` when ``f`` has aux."""
+
+    operator = "gradient"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        _, aux, g = self.value_aux_gradient(xs, data)
+        return (g, aux) if self.fn.has_aux else g
+
+
+class ValueAndPullbackPrep(Preparation):
+    """``(y, vjp)`` with ``vjp(dy) -> dx``."""
+
+    operator = "value_and_pullback"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        b, fn = self.backend, self.fn
+        y, _, vjp = b.flat_value_and_pullback_any(fn, xs, data)
+
+        def pullback(dy: Any) -> Any:
+            return fn.unflatten_x(b.complete(vjp(b.cotangent(dy, y)), xs))
+
+        pullback.f = fn.f  # type: ignore[attr-defined]  # fn holds f weakly; a lazy vjp may still call it
+        return y, pullback
+
+
+class PullbackPrep(ValueAndPullbackPrep):
+    """``vjp`` with ``vjp(dy) -> dx``."""
+
+    operator = "pullback"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        return super().run(xs, data)[1]
+
+
+class ValueAndPushforwardPrep(Preparation):
+    """``(y, jvp)`` with ``jvp(dx) -> dy``."""
+
+    operator = "value_and_pushforward"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        b, fn = self.backend, self.fn
+        y, _, jvp = b.flat_value_and_pushforward_any(fn, xs, data)
+
+        def pushforward(dx: Any) -> Any:
+            return jvp(b.tangents(fn, xs, dx))
+
+        pushforward.f = fn.f  # type: ignore[attr-defined]  # fn holds f weakly; jvp calls it again
+        return y, pushforward
+
+
+class PushforwardPrep(ValueAndPushforwardPrep):
+    """``jvp`` with ``jvp(dx) -> dy``."""
+
+    operator = "pushforward"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        return super().run(xs, data)[1]
+
+
+class DerivativePrep(Preparation):
+    """``dy/dx`` for a scalar ``x``, shaped like ``y``."""
+
+    operator = "derivative"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        b, fn = self.backend, self.fn
+        if len(xs) != 1 or shape_of(xs[0]) != ():
+            raise ShapeMismatchError(
+                f"derivative needs a scalar x (one float of shape ()), got "
+                f"{[shape_of(v) for v in xs]}; use jacobian for array inputs"
+            )
+        if b.has_forward:
+            _, _, jvp = b.flat_value_and_pushforward(fn, xs, data)
+            return jvp([b.ones_like(xs[0])])
+        _, jacs = b.flat_jacobian(fn, xs, data)
+        return jacs[0]
+
+
+class JacobianPrep(Preparation):
+    """A tree shaped like ``x`` of ``y.shape + leaf.shape`` arrays."""
+
+    operator = "jacobian"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        _, jacs = self.backend.flat_jacobian(self.fn, xs, data)
+        return self.fn.unflatten_x(jacs)
+
+
+class HessianPrep(Preparation):
+    """The ``x.shape + x.shape`` Hessian of a scalar ``f`` of one float array."""
+
+    operator = "hessian"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        if len(xs) != 1:
+            raise ShapeMismatchError(
+                f"hessian needs x with exactly one float array, got {len(xs)} float leaves; "
+                f"concatenate them into one vector, or use hvp, which takes any pytree"
+            )
+        return self.fn.unflatten_x([self.backend.flat_hessian(self.fn, xs, data)])
+
+
+class HvpPrep(Preparation):
+    """The Hessian-vector product, shaped like ``x``; ``run(xs, data, v)``."""
+
+    operator = "hvp"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        (v,) = extra
+        b, fn = self.backend, self.fn
+        tangents = b.tangents(fn, xs, v, "v")
+        return fn.unflatten_x(b.complete(b.flat_hvp(fn, xs, data, tangents), xs))
+
+
+#: The preparation class of each operator.
+PREPARATIONS: dict[str, type[Preparation]] = {
+    cls.operator: cls
+    for cls in (
+        ValueAndGradientPrep, GradientPrep, ValueAndPullbackPrep, PullbackPrep, ValueAndPushforwardPrep,
+        PushforwardPrep, DerivativePrep, JacobianPrep, HessianPrep, HvpPrep,
+    )
+}
+
+
+# ---------------------------------------------------------------- signatures
 def _signature(leaf: Any) -> tuple[Any, ...]:
     return (shape_of(leaf), dtype_name(leaf))
 
 
-class _Prepared:
-    """Common part of the prepared operators: the input check and conversion."""
+class Signature:
+    """Structure, shapes, dtypes and static leaves of ``(x, args)`` at preparation.
 
-    operator = "operator"
+    :meth:`check` flattens a new ``(x, args)``, compares it and returns the native
+    leaves, or raises :class:`~abstractdiff.ShapeMismatchError` naming what changed.
+    """
 
-    def __init__(self, b: Backend | str, f: Callable[..., Any], x: Any, args: tuple, has_aux: bool = False):
-        self.backend = b if isinstance(b, Backend) else _get_backend(b)
-        self.has_aux = has_aux
-        fn, xs, data = self.backend.flatten(f, x, args, has_aux)
-        self.fn: FlatFunction = fn
-        self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
-        self.n_x = fn.n_x_leaves
-        self.diff_index = fn.diff_index
-        self.data_index = fn.data_index
+    def __init__(self, operator: str, backend: Any, fn: FlatFunction, x: Any, args: tuple, xs: list, data: list):
+        self.operator = operator
+        self.backend = backend
+        self.fn = fn
         leaves = optree.tree_leaves(x) + optree.tree_leaves(args)
         dynamic = set(fn.diff_index) | set(fn.data_index)
         # Static leaves are compared by the plan cache's key: exact bits for floats (-0.0 is
@@ -50,19 +236,16 @@ class _Prepared:
         # the normalised signatures above only decide (and explain) a mismatch.
         self.x_raw = [(v.shape, v.dtype) for v in xs]
         self.data_raw = [(v.shape, v.dtype) for v in data]
-        self._setup(xs, data)
 
-    def _setup(self, xs: list, data: list) -> None:  # pragma: no cover - overridden
-        pass
-
-    def _mismatch(self, what: str, expected: Any, got: Any) -> ShapeMismatchError:
+    def mismatch(self, what: str, expected: Any, got: Any) -> ShapeMismatchError:
         return ShapeMismatchError(
             f"prepared {self.operator} was prepared for {what} {expected}, but was called with "
             f"{got}; prepare again for the new inputs (or call the unprepared operator)"
         )
 
     def _where(self, i: int) -> str:
-        return f"x leaf {i}" if i < self.n_x else f"argument leaf {i - self.n_x}"
+        n = self.fn.n_x_leaves
+        return f"x leaf {i}" if i < n else f"argument leaf {i - n}"
 
     def _checked(self, leaves: list, index: tuple, raw: list, signature: list) -> list:
         out = []
@@ -81,84 +264,154 @@ class _Prepared:
                 else:
                     got = type(leaf).__name__
                 if got != sig:
-                    raise self._mismatch(f"{self._where(i)} of shape/dtype", sig, got)
+                    raise self.mismatch(f"{self._where(i)} of shape/dtype", sig, got)
             out.append(convert(leaf))
         return out
 
-    def _inputs(self, x: Any, args: tuple) -> tuple[list, list]:
+    def check(self, x: Any, args: tuple) -> tuple[list, list]:
         fn = self.fn
         leaves, x_treedef = optree.tree_flatten(x)
         if x_treedef != fn.x_treedef:
-            raise self._mismatch("x of structure", fn.x_treedef, x_treedef)
+            raise self.mismatch("x of structure", fn.x_treedef, x_treedef)
         a_leaves, a_treedef = optree.tree_flatten(args)
         if a_treedef != fn.args_treedef:
-            raise self._mismatch("args of structure", fn.args_treedef, a_treedef)
+            raise self.mismatch("args of structure", fn.args_treedef, a_treedef)
         if a_leaves:
             leaves = leaves + a_leaves
-        xs = self._checked(leaves, self.diff_index, self.x_raw, self.x_signature)
-        data = self._checked(leaves, self.data_index, self.data_raw, self.data_signature)
+        xs = self._checked(leaves, fn.diff_index, self.x_raw, self.x_signature)
+        data = self._checked(leaves, fn.data_index, self.data_raw, self.data_signature)
         for i, value, key in self.static:
             leaf = leaves[i]
             if leaf is not value and _static_key(leaf) != key:
-                raise self._mismatch(f"static {self._where(i)} =", repr(value), repr(leaf))
+                raise self.mismatch(f"static {self._where(i)} =", repr(value), repr(leaf))
         return xs, data
 
 
-class PreparedValueAndGradient(_Prepared):
+# ------------------------------------------------------------ prepared operators
+class Prepared:
+    """A prepared operator: ``prepared(x, *args)`` (``prepared(x, v, *args)`` for hvp).
+
+    Holds the operator's :class:`Preparation` and the :class:`Signature` it checks on
+    every call.  Built by :func:`prepare_gradient` and friends (``b.prepare(operator,
+    f, x, args)``).
+    """
+
+    operator: ClassVar[str] = "operator"
+
+    def __init__(self, b: Any, f: Callable[..., Any], x: Any, args: tuple, has_aux: bool = False):
+        from ._registry import backend as get_backend
+
+        self.backend = get_backend(b)
+        self.has_aux = has_aux
+        fn, xs, data = self.backend.flatten(f, x, args, has_aux)
+        self.fn: FlatFunction = fn
+        self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
+        self.signature = Signature(self.operator, self.backend, fn, x, args, xs, data)
+        self.preparation = self.backend.preparation(PREPARATIONS[self.operator], fn, xs, data)
+
+    def __call__(self, x: Any, *args: Any) -> Any:
+        xs, data = self.signature.check(x, args)
+        return self.preparation.run(xs, data)
+
+    def __repr__(self) -> str:
+        return f"<prepared {self.operator} of {self.fn!r} on {self.backend!r}>"
+
+
+class PreparedValueAndGradient(Prepared):
     """``vg(x, *args) -> (y, g)`` (``((y, aux), g)`` with ``has_aux``)."""
 
     operator = "value_and_gradient"
 
-    def _setup(self, xs: list, data: list) -> None:
-        self._run = self.backend.flat_prepare_value_and_gradient(self.fn, xs, data)
 
-    def __call__(self, x: Any, *args: Any) -> tuple[Any, Any]:
-        xs, data = self._inputs(x, args)
-        y, aux, grads = self._run(xs, data)
-        check_scalar(y)
-        g = self.fn.unflatten_x(self.backend.complete(grads, xs))
-        return ((y, aux), g) if self.has_aux else (y, g)
-
-
-class PreparedGradient(PreparedValueAndGradient):
+class PreparedGradient(Prepared):
     """``g(x, *args) -> gradient`` (``(gradient, aux)`` with ``has_aux``)."""
 
     operator = "gradient"
 
-    def __call__(self, x: Any, *args: Any) -> Any:
-        value, g = super().__call__(x, *args)
-        return (g, value[1]) if self.has_aux else g
 
-
-class PreparedPullback(_Prepared):
+class PreparedValueAndPullback(Prepared):
     """``pb(x, *args) -> (y, vjp)`` with ``vjp(dy) -> dx``."""
+
+    operator = "value_and_pullback"
+
+
+class PreparedValueAndPushforward(Prepared):
+    """``pf(x, *args) -> (y, jvp)`` with ``jvp(dx) -> dy``."""
+
+    operator = "value_and_pushforward"
+
+
+class PreparedPushforward(Prepared):
+    """``pf(x, *args) -> jvp`` with ``jvp(dx) -> dy``."""
+
+    operator = "pushforward"
+
+
+class PreparedDerivative(Prepared):
+    """``d(x, *args) -> dy/dx`` for a scalar ``x``."""
+
+    operator = "derivative"
+
+
+class PreparedJacobian(Prepared):
+    """``j(x, *args) -> J``, a tree shaped like ``x`` of ``y.shape + leaf.shape`` arrays."""
+
+    operator = "jacobian"
+
+
+class PreparedHessian(Prepared):
+    """``h(x, *args) -> H`` with ``H.shape == x.shape + x.shape``."""
+
+    operator = "hessian"
+
+
+class PreparedPullback(Prepared):
+    """``pb(x, *args) -> vjp`` with ``vjp(dy) -> dx`` (what ``b.prepare("pullback", ...)`` returns;
+    ``ad.prepare_pullback`` returns value and pullback, as it always has)."""
 
     operator = "pullback"
 
-    def __call__(self, x: Any, *args: Any) -> tuple[Any, Callable]:
-        xs, data = self._inputs(x, args)
-        b, fn = self.backend, self.fn
-        if b.has_reverse:
-            y, _, vjp = b.flat_value_and_pullback(fn, xs, data)
-        else:
-            y, _, vjp = b._pullback_from_forward(fn, xs, data)
 
-        def pullback(dy: Any) -> Any:
-            return fn.unflatten_x(b.complete(vjp(b.cotangent(dy, y)), xs))
+class PreparedHvp(Prepared):
+    """``h(x, v, *args) -> H @ v``, shaped like ``x``; ``v`` has the structure of ``x``."""
 
-        return y, pullback
+    operator = "hvp"
+
+    def __init__(self, b: Any, f: Callable[..., Any], x: Any, v: Any, args: tuple):
+        super().__init__(b, f, x, args)
+
+    def __call__(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
+        xs, data = self.signature.check(x, args)
+        return self.preparation.run(xs, data, v)
 
 
-def prepare_value_and_gradient(
-    b: Backend | str, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False
-) -> PreparedValueAndGradient:
+#: The prepared class of each operator.
+PREPARED: dict[str, type[Prepared]] = {
+    cls.operator: cls
+    for cls in (
+        PreparedValueAndGradient, PreparedGradient, PreparedValueAndPullback, PreparedPullback,
+        PreparedValueAndPushforward, PreparedPushforward, PreparedDerivative, PreparedJacobian, PreparedHessian,
+        PreparedHvp,
+    )
+}
+
+
+def _backend(b: Any) -> Any:
+    from ._registry import backend as get_backend
+
+    return get_backend(b)
+
+
+# ------------------------------------------------------------------ public API
+def prepare_value_and_gradient(b: Any, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> Any:
     """Prepare ``value_and_gradient`` of ``f`` for inputs shaped like ``(x, *args)``.
 
     ``prepare_value_and_gradient(b, f, x, *args, has_aux=False) -> vg`` with
     ``vg(x, *args) -> (y, g)``.  All per-function work (flattening plans, tracing and
     compilation on compiled backends) happens here; each call checks that structure,
-    shapes and dtypes still match and raises :class:`~abstractdiff.ShapeMismatchError`
-    when they do not.
+    shapes, dtypes and static leaves still match and raises
+    :class:`~abstractdiff.ShapeMismatchError` when they do not.  ``f`` is frozen at
+    preparation (a compiled backend traced it then).
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -167,12 +420,10 @@ def prepare_value_and_gradient(
         >>> float(y), np.round(g, 6)
         (15.0, array([ 6., 12.]))
     """
-    return PreparedValueAndGradient(b, f, x, args, has_aux)
+    return _backend(b).prepare("value_and_gradient", f, x, args, has_aux=has_aux)
 
 
-def prepare_gradient(
-    b: Backend | str, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False
-) -> PreparedGradient:
+def prepare_gradient(b: Any, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> Any:
     """Prepare ``gradient`` of ``f``: ``prepare_gradient(b, f, x, *args) -> g`` with ``g(x, *args) -> gradient``.
 
     See :func:`prepare_value_and_gradient` for what is checked on each call.
@@ -183,11 +434,13 @@ def prepare_gradient(
         >>> np.round(grad(np.array([1.0, -3.0])), 6)
         array([ 2., -6.])
     """
-    return PreparedGradient(b, f, x, args, has_aux)
+    return _backend(b).prepare("gradient", f, x, args, has_aux=has_aux)
 
 
-def prepare_pullback(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> PreparedPullback:
+def prepare_pullback(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
     """Prepare ``value_and_pullback``: ``prepare_pullback(b, f, x, *args) -> pb`` with ``pb(x, *args) -> (y, vjp)``.
+
+    The same as :func:`prepare_value_and_pullback` (its older name; it returns the value too).
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -196,5 +449,94 @@ def prepare_pullback(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any
         >>> np.round(vjp(np.array([1.0, 1.0])), 6)
         array([2., 2.])
     """
-    return PreparedPullback(b, f, x, args)
+    return _backend(b).prepare("value_and_pullback", f, x, args)
 
+
+def prepare_value_and_pullback(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``value_and_pullback``: ``-> pb`` with ``pb(x, *args) -> (y, vjp)``, ``vjp(dy) -> dx``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> pb = ad.prepare_value_and_pullback("finite_differences", lambda w: w**2, np.ones(2))
+        >>> y, vjp = pb(np.array([1.0, 3.0]))
+        >>> np.round(vjp(np.ones(2)), 6)
+        array([2., 6.])
+    """
+    return _backend(b).prepare("value_and_pullback", f, x, args)
+
+
+def prepare_value_and_pushforward(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``value_and_pushforward``: ``-> pf`` with ``pf(x, *args) -> (y, jvp)``, ``jvp(dx) -> dy``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> pf = ad.prepare_value_and_pushforward("finite_differences", lambda w: w**2, np.ones(2))
+        >>> y, jvp = pf(np.array([1.0, 3.0]))
+        >>> np.round(jvp(np.array([1.0, 0.0])), 6)
+        array([2., 0.])
+    """
+    return _backend(b).prepare("value_and_pushforward", f, x, args)
+
+
+def prepare_pushforward(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``pushforward``: ``prepare_pushforward(b, f, x, *args) -> pf`` with ``pf(x, *args) -> jvp``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> pf = ad.prepare_pushforward("finite_differences", lambda w: 3 * w, np.ones(2))
+        >>> np.round(pf(np.zeros(2))(np.ones(2)), 6)
+        array([3., 3.])
+    """
+    return _backend(b).prepare("pushforward", f, x, args)
+
+
+def prepare_derivative(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``derivative``: ``prepare_derivative(b, f, x, *args) -> d`` with ``d(x, *args) -> dy/dx``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> d = ad.prepare_derivative("finite_differences", np.sin, 0.0)
+        >>> round(float(d(0.0)), 8)
+        1.0
+    """
+    return _backend(b).prepare("derivative", f, x, args)
+
+
+def prepare_jacobian(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``jacobian``: ``prepare_jacobian(b, f, x, *args) -> j`` with ``j(x, *args) -> J``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> j = ad.prepare_jacobian("finite_differences", lambda w: w[::-1] * 2, np.ones(2))
+        >>> np.round(j(np.zeros(2)), 6)
+        array([[0., 2.],
+               [2., 0.]])
+    """
+    return _backend(b).prepare("jacobian", f, x, args)
+
+
+def prepare_hessian(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``hessian``: ``prepare_hessian(b, f, x, *args) -> h`` with ``h(x, *args) -> H``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> h = ad.prepare_hessian("finite_differences", lambda w: (w**3).sum(), np.ones(2))
+        >>> np.round(h(np.array([1.0, 2.0])), 4) + 0.0
+        array([[ 6.,  0.],
+               [ 0., 12.]])
+    """
+    return _backend(b).prepare("hessian", f, x, args)
+
+
+def prepare_hvp(b: Any, f: Callable[..., Any], x: Any, v: Any, *args: Any) -> Any:
+    """Prepare ``hvp``: ``prepare_hvp(b, f, x, v, *args) -> h`` with ``h(x, v, *args) -> H @ v``.
+
+    ``v`` (shaped like ``x``) may change from call to call; it is checked each time.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> h = ad.prepare_hvp("finite_differences", lambda w: (w**3).sum(), np.ones(2), np.ones(2))
+        >>> np.round(h(np.array([1.0, 2.0]), np.array([1.0, 0.0])), 4) + 0.0
+        array([6., 0.])
+    """
+    return _backend(b).prepare("hvp", f, x, args, tangent=v)

@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from ._backend import Backend
 from ._errors import BackendUnavailableError, UnknownBackendError
 
@@ -28,15 +30,27 @@ class _Entry:
     requires: tuple[str, ...] = ()  # top-level modules that must be importable
     extra: str | None = None  # pip extra that installs them
     runtime: bool = False  # registered by ad.register_backend in this process
+    # top-level modules whose objects the backend handles (default: requires); lets
+    # backend_for find it for a leaf before the adapter module is imported
+    modules: tuple[str, ...] = ()
+
+    @property
+    def handles(self) -> tuple[str, ...]:
+        return self.modules or self.requires
 
 
+# The one place in abstractdiff/ that names AD libraries: which adapter module serves
+# which library.  Everything else about a library is a hook of its adapter class.
 _BUILTIN: dict[str, _Entry] = {
     "finite_differences": _Entry("abstractdiff.adapters.finite_differences:FiniteDifferencesBackend"),
     "autograd": _Entry("abstractdiff.adapters.autograd:AutogradBackend", ("autograd",), "autograd"),
     "jax": _Entry("abstractdiff.adapters.jax:JaxBackend", ("jax", "jaxlib"), "jax"),
-    "tensorflow": _Entry("abstractdiff.adapters.tensorflow:TensorFlowBackend", ("tensorflow",), "tensorflow"),
+    "tensorflow": _Entry(
+        "abstractdiff.adapters.tensorflow:TensorFlowBackend", ("tensorflow",), "tensorflow",
+        modules=("tensorflow", "keras", "tf_keras"),
+    ),
     "torch": _Entry("abstractdiff.adapters.torch:TorchBackend", ("torch",), "torch"),
-    "implicit": _Entry("abstractdiff.adapters.implicit:Implicit"),
+    "implicit": _Entry("abstractdiff._implicit_backend:Implicit"),
 }
 
 _registry: dict[str, _Entry] = dict(_BUILTIN)
@@ -46,14 +60,22 @@ _entry_points_loaded = False
 
 
 def register_backend(
-    name: str, factory: Callable[..., Backend] | str, *, requires: tuple[str, ...] = (), replace: bool = False
+    name: str,
+    factory: Callable[..., Backend] | str,
+    *,
+    requires: tuple[str, ...] = (),
+    replace: bool = False,
+    modules: tuple[str, ...] = (),
 ) -> None:
     """Register a backend under ``name``.
 
     ``factory(**options) -> Backend`` is called by :func:`backend`; it may also be a
     ``"module:attribute"`` string, imported on first use.  ``requires`` names modules
-    that must be importable for the backend to count as available.  Registering an
-    existing name raises ``ValueError`` unless ``replace=True``.
+    that must be importable for the backend to count as available.  ``modules`` names
+    the top-level modules whose arrays and variables the backend handles (default:
+    ``requires``, else the class's ``modules`` once created): ``ad.to_numpy``,
+    checkpoints, the optimisers and ``ad.Params`` find the backend of an object by it.
+    Registering an existing name raises ``ValueError`` unless ``replace=True``.
 
     Example:
         >>> import abstractdiff as ad
@@ -72,9 +94,10 @@ def register_backend(
     with _lock:
         if name in _registry and not replace:
             raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it")
-        _registry[name] = _Entry(factory, tuple(requires), runtime=True)
+        _registry[name] = _Entry(factory, tuple(requires), runtime=True, modules=tuple(modules))
         for key in [k for k in _instances if k[0] == name]:
             del _instances[key]
+        _OWNERS.clear()
 
 
 def _load_entry_points() -> None:
@@ -87,6 +110,7 @@ def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _registry:
             _registry[ep.name] = _Entry(ep.value)
+    _OWNERS.clear()
 
 
 def registered_backends() -> list[str]:
@@ -237,4 +261,86 @@ def backend(name: str | Backend, **options: Any) -> Backend:
     if key is not None:
         with _lock:
             instance = _instances.setdefault(key, instance)
+            _OWNERS.clear()  # a new backend may own types that were unknown so far
     return instance
+
+
+# ------------------------------------------------------- the backend of an object
+# type -> the backend owning objects of that type (None: numpy or unknown); cleared
+# whenever a backend is registered or created, so an unknown type is looked up again.
+_OWNERS: dict[type, Backend | None] = {}
+
+
+def owns(b: Backend, obj: Any) -> bool:
+    """Whether ``obj`` is one of ``b``'s arrays (traced ones too), variables or models."""
+    try:
+        return bool(b.is_native(obj) or b.is_variable(obj) or b.model_variables(obj) is not None)
+    except Exception:  # a hook that cannot answer for a foreign object does not own it
+        return False
+
+
+def _modules_of(t: type) -> set[str]:
+    # abstractdiff's own objects (ad.Variable, Params, Grads) are the core's business
+    found = {(getattr(c, "__module__", None) or "").partition(".")[0] for c in t.__mro__}
+    return found - {"builtins", "numpy", "abstractdiff", ""}
+
+
+def _quiet_backend(name: str) -> Backend | None:
+    try:
+        return backend(name)
+    except Exception:  # noqa: BLE001  a backend that cannot be created owns nothing here
+        return None
+
+
+def _find_owner(obj: Any) -> Backend | None:
+    t = type(obj)
+    if t is np.ndarray or isinstance(obj, np.generic):
+        return None
+    mods = _modules_of(t)
+    if not mods:
+        return None
+    _load_entry_points()
+    # 1. registered backends that declare one of the object's modules (it is imported:
+    #    the object exists), so creating that backend imports nothing new
+    for name, entry in list(_registry.items()):
+        if set(entry.handles) & mods:
+            b = _quiet_backend(name)
+            if b is not None and owns(b, obj):
+                return b
+    # 2. backends already created whose class declares the module (entry-point adapters)
+    for b in list(_instances.values()):
+        if set(type(b).modules) & mods and owns(b, obj):
+            return b
+    # 3. entry-point adapters living in the object's own (imported) package
+    for name, entry in list(_registry.items()):
+        target = entry.target
+        if isinstance(target, str) and target.partition(".")[0].partition(":")[0] in mods:
+            b = _quiet_backend(name)
+            if b is not None and set(type(b).modules) & mods and owns(b, obj):
+                return b
+    return None
+
+
+def backend_for(obj: Any) -> Backend | None:
+    """The backend whose library ``obj`` (an array, a traced value, a variable, a model)
+    belongs to, or ``None`` for numpy and objects no backend claims.
+
+    ``backend_for(obj) -> Backend | None``.  Found by the object's type, the way einops'
+    ``get_backend`` does: only backends declaring one of the type's modules (which is
+    therefore already imported) are asked, so this never imports an AD library the user
+    has not imported.  Answers are remembered per type.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff._registry import backend_for
+        >>> backend_for(np.ones(2)) is None     # numpy: the core's own defaults
+        True
+    """
+    t = type(obj)
+    try:
+        return _OWNERS[t]
+    except KeyError:
+        pass
+    owner = _find_owner(obj)
+    _OWNERS[t] = owner
+    return owner

@@ -8,15 +8,14 @@ is a thin convenience over it (epochs, callbacks, a progress bar), returning the
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, NamedTuple
 
 import optree
 
 from . import optim
 from ._backend import Backend
+from ._cache import WeakLRU
 from ._convert import to_numpy
 from ._errors import ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
@@ -46,12 +45,6 @@ def _ar() -> Any:
     return autoray
 
 
-def _is_implicit(b: Backend) -> bool:
-    from .adapters.implicit import Implicit  # imports no AD library
-
-    return bool(getattr(b, "implicit", False)) or isinstance(b, Implicit)
-
-
 def _inner(b: Backend) -> Backend:
     return getattr(b, "inner", b)
 
@@ -76,11 +69,10 @@ class _Bound:
     :func:`train_step` holds them while it runs.
     """
 
-    __slots__ = ("_loss_fn", "_model", "_refs", "__weakref__")
+    __slots__ = ("_loss_fn", "_model", "__weakref__")
 
     def __init__(self, loss_fn: Callable[..., Any], model: Any):
         self._loss_fn, self._model = _ref(loss_fn), _ref(model)
-        self._refs: list[weakref.ref] = []  # the cache's references, whose callbacks drop its entry
 
     def __call__(self, *batch: Any) -> Any:
         loss_fn, model = self._loss_fn(), self._model()
@@ -102,31 +94,10 @@ class _BoundCache:
     size = 8
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._entries: OrderedDict[tuple[int, int], _Bound] = OrderedDict()
+        self._entries: WeakLRU[_Bound] = WeakLRU(self.size, hold_unreferenceable=True)
 
     def get(self, loss_fn: Callable[..., Any], model: Any) -> _Bound:
-        key = (id(loss_fn), id(model))
-        with self._lock:
-            f = self._entries.get(key)
-            if f is not None:
-                self._entries.move_to_end(key)
-                return f
-            f = _Bound(loss_fn, model)
-            # a dead object's id may be reused: its entry goes with it (no lock: a weakref
-            # callback may run while this thread holds it, and one pop is atomic)
-            drop = lambda _r, key=key: self._entries.pop(key, None)  # noqa: E731
-            refs = []
-            for obj in (loss_fn, model):
-                try:
-                    refs.append(weakref.ref(obj, drop))
-                except TypeError:
-                    pass
-            f._refs = refs
-            self._entries[key] = f
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-            return f
+        return self._entries.get_or_put((loss_fn, model), lambda: _Bound(loss_fn, model))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -144,7 +115,7 @@ def _all_finite(loss: Any, grads: list) -> bool:
     sum of zeros cannot overflow (unlike a sum of the values themselves)."""
     ar = _ar()
     arrays = [loss, *(g for g in grads if g is not None)]
-    with optim.x64_scope(arrays):
+    with optim.arithmetic_scope(arrays):
         # one total per dtype: tensorflow does not add float32 to float64
         totals: dict[str, Any] = {}
         for a in arrays:
@@ -204,7 +175,7 @@ def train_step(
         )
     batch = _as_batch(batch)
     step = state.step + 1
-    if _is_implicit(b):
+    if b.implicit:
         if not state.implicit:
             raise ModeMismatchError(
                 f"train_step: {b!r} trains variables in place, but the state was set up for a pytree "

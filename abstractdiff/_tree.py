@@ -15,14 +15,17 @@ it exactly as ``jax.jit`` does on static arguments.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, TypeVar
 
 import numpy as np
 import optree
 
+from ._cache import WeakLRU
 from ._errors import InvalidOutputError
+
+T = TypeVar("T")
 
 DIFF, DATA, STATIC = 0, 1, 2
 
@@ -98,11 +101,86 @@ def _static_key(leaf: Any) -> Any:
     return (type(leaf), leaf)
 
 
-class FlatFunction:
+class Artefacts:
+    """What one backend built for one flat function and one operator: its *variants*.
+
+    ``fn.artefacts(backend, "pullback").get(variant, build)`` returns the artefact for
+    ``variant`` (built once with ``build()``).  The backend's type and options are part of
+    the key already (:meth:`FlatFunction.artefacts`); ``variant`` holds whatever else
+    changes the result: the x64 mode, a device, the input signature (shapes and dtypes)
+    when the artefact depends on it.  Thread-safe: two threads asking for a missing
+    variant build it once.
+    """
+
+    __slots__ = ("operator", "_variants", "_lock")
+
+    def __init__(self, operator: str):
+        self.operator = operator
+        self._variants: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, variant: Hashable, build: Callable[[], T]) -> T:
+        try:
+            return self._variants[variant]
+        except KeyError:
+            pass
+        with self._lock:
+            if variant not in self._variants:
+                self._variants[variant] = build()
+            return self._variants[variant]
+
+    def peek(self, variant: Hashable) -> Any:
+        """The artefact of ``variant`` if it was built, else ``None``."""
+        return self._variants.get(variant)
+
+    def put(self, variant: Hashable, value: Any) -> None:
+        self._variants[variant] = value
+
+    def trim(self, maxsize: int) -> None:
+        """Keep at most ``maxsize`` variants, dropping the oldest (input signatures that
+        change on every call must not grow the cache without end)."""
+        with self._lock:
+            while len(self._variants) > maxsize:
+                del self._variants[next(iter(self._variants))]
+
+    def __len__(self) -> int:
+        return len(self._variants)
+
+    def __repr__(self) -> str:
+        return f"Artefacts({self.operator!r}, {len(self._variants)} variant(s))"
+
+
+class HasArtefacts:
+    """A function handed to an adapter's ``flat_*`` methods, with a typed cache of artefacts.
+
+    Every callable the core gives adapters (:class:`FlatFunction`, and the core's derived
+    functions such as the gradient function of a Hessian) has one, so an adapter never
+    needs to know which kind it got.
+    """
+
+    __slots__ = ()
+
+    def artefacts(self, backend: Any, operator: str) -> Artefacts:
+        """The artefacts ``backend`` keeps for this function and ``operator``."""
+        store: dict = self._artefacts  # type: ignore[attr-defined]
+        key = (backend.cache_key, operator)
+        found = store.get(key)
+        if found is None:
+            found = store.setdefault(key, Artefacts(operator))
+        return found
+
+
+def artefacts(fn: Any, backend: Any, operator: str) -> Artefacts:
+    """``fn.artefacts(backend, operator)``, or a fresh (uncached) store for a plain callable."""
+    get = getattr(fn, "artefacts", None)
+    return get(backend, operator) if get is not None else Artefacts(operator)
+
+
+class FlatFunction(HasArtefacts):
     """``f(x, *args)`` seen as ``fn(xs, data) -> (y, aux)`` over flat leaf lists.
 
     Built once per (function, structure, static leaves) and cached by the backend, so
-    adapters can hang compiled variants of it on ``self.cache``.
+    adapters can keep compiled variants of it in its typed cache, :meth:`artefacts`.
     """
 
     __slots__ = (
@@ -114,7 +192,7 @@ class FlatFunction:
         "data_index",
         "n_x_leaves",
         "has_aux",
-        "cache",
+        "_artefacts",
         "__weakref__",
     )
 
@@ -137,7 +215,7 @@ class FlatFunction:
         self.data_index = data_index
         self.n_x_leaves = n_x_leaves
         self.has_aux = has_aux
-        self.cache: dict[Any, Any] = {}
+        self._artefacts: dict[Any, Artefacts] = {}
 
     @property
     def f(self) -> Callable[..., Any]:
@@ -214,14 +292,14 @@ def _weak_callable(f: Callable[..., Any]) -> Callable[[], Any]:
         return lambda: f
 
 
-def _function_identity(f: Callable[..., Any]) -> tuple[Any, Any]:
-    """``(function, owner)``: a bound method is keyed by its function and its ``self``
-    (each attribute access makes a new method object; these two are stable)."""
+def _function_identity(f: Callable[..., Any]) -> tuple[Any, ...]:
+    """``(function, owner)`` for a bound method (each attribute access makes a new method
+    object; these two are stable), else ``(f,)``."""
     owner = getattr(f, "__self__", None)
     func = getattr(f, "__func__", None)
     if owner is not None and func is not None:
         return func, owner
-    return f, None
+    return (f,)
 
 
 class PlanCache:
@@ -235,44 +313,25 @@ class PlanCache:
     max_per_function = 64
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], tuple[Any, OrderedDict[Any, FlatFunction]]] = {}
+        # function (and owner of a bound method), held weakly -> that function's plans
+        self._functions: WeakLRU[WeakLRU[FlatFunction]] = WeakLRU()
 
     def lookup(self, f: Callable[..., Any], key: Any) -> FlatFunction | None:
-        func, owner = _function_identity(f)
-        entry = self._entries.get((id(func), id(owner)))
-        if entry is None:
-            return None
-        plans = entry[1]
-        fn = plans.get(key)
-        if fn is not None and len(plans) > 1:
-            plans.move_to_end(key)
-        return fn
+        plans = self._functions.get(_function_identity(f))
+        return None if plans is None else plans.get((), key)
 
     def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction) -> None:
-        func, owner = _function_identity(f)
-        ident = (id(func), id(owner))
-        entry = self._entries.get(ident)
-        if entry is None:
-            try:
-                refs = [weakref.ref(func, lambda _r, ident=ident: self._entries.pop(ident, None))]
-                if owner is not None:
-                    refs.append(
-                        weakref.ref(owner, lambda _r, ident=ident: self._entries.pop(ident, None))
-                    )
-            except TypeError:
-                return  # not weak-referenceable (a builtin): do not cache
-            entry = (refs, OrderedDict())
-            self._entries[ident] = entry
-        plans = entry[1]
-        plans[key] = fn
-        while len(plans) > self.max_per_function:
-            plans.popitem(last=False)
+        ident = _function_identity(f)
+        plans = self._functions.get(ident)
+        if plans is None:  # not weak-referenceable (a builtin): put() keeps nothing
+            plans = self._functions.put(ident, WeakLRU(self.max_per_function))
+        plans.put((), fn, key)
 
     def __len__(self) -> int:
-        return sum(len(e[1]) for e in self._entries.values())
+        return sum(len(plans) for plans in self._functions.values())
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._functions.clear()
 
 
 def flatten_call(

@@ -6,17 +6,27 @@ and float32; prints a backend x operator table (pass/fail, max relative error ag
 the analytic results, time), the cross-backend agreement, one line per GPU-versus-CPU
 comparison (or why it was skipped), and the training-parity summary
 (:func:`abstractdiff.parity.training_parity`, when that module is installed).  Exit
-status 1 when anything fails.  Backends run in parallel worker processes (``--jobs``).
+status 1 when anything fails.  Backends run in parallel worker processes (``--jobs``);
+``--import MODULE`` loads a module that registers more backends (``ad.register_backend``).
+
+The command is three steps, each testable alone: :func:`plan` decides what runs (no AD
+library is imported), :func:`run` runs it and :func:`report` turns the outcome into the
+text, the JSON document and the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,6 +34,7 @@ from typing import Any, Callable
 from ._registry import available_backends, unavailable_reason
 
 DTYPES = ("float64", "float32")
+DEVICES = {"all": ("cpu", "gpu"), "cpu": ("cpu",), "gpu": ("gpu",)}
 # Short column names keep the table within ~120 characters.
 COLUMN_NAMES = {
     "gradient": "gradient",
@@ -36,12 +47,14 @@ COLUMN_NAMES = {
     "hvp": "hvp",
     "numpy_inputs": "numpy_in",
 }
-# Rough cost of each backend's share (compilation dominates), to start the long jobs first.
-_COST = {"jax": 10, "tensorflow": 8, "torch": 3, "autograd": 1, "finite_differences": 1}
 PARITY_MODULE = "abstractdiff.parity"
+# The stock last line of ParitySummary.format(): replaced by a line that speaks for parity only.
+_PARITY_VERDICTS = ("all runs agree", "SOME RUNS DISAGREE")
+# Worker processes share the machine's cores: one thread each for the numerical libraries.
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-# ------------------------------------------------------------------- worker side
+# ------------------------------------------------------------------- records
 @dataclass
 class Job:
     backend: str
@@ -58,23 +71,76 @@ class JobResult:
     error: str | None = None  # the backend could not be created
     skipped: str | None = None  # why a GPU job did not run (no GPU)
     device: str = "cpu"  # the device it ran on
+    # Labels of the reports made by approximating backends (testing.is_approximate), decided
+    # where the backend exists: reports only carry labels, and "exact" must not be guessed by name.
+    approximate: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Plan:
+    """What ``abstractdiff check`` will run, decided from the options alone (no AD library loaded)."""
+
+    backends: list[str]  # named in the header: requested, or every available one
+    requested: list[str]  # named with --backend: failing to load them is a failure, not a note
+    dtypes: tuple[str, ...]
+    device: str  # "all", "cpu" or "gpu"
+    implicit: bool
+    jobs: list[Job]  # in the order they start
+    notes: list[str] = field(default_factory=list)  # backends left out, not failures
+    problems: list[str] = field(default_factory=list)  # failures found before running anything
+    parity: bool = False  # whether training parity runs
+    parity_backends: list[str] = field(default_factory=list)
+    parity_skip: str = ""  # the parity line when it does not run
+    workers: int = 1
+    ticks: int = 0  # progress units: one per scenario per target, one for parity
+    imports: tuple[str, ...] = ()  # --import modules, imported again in every worker
+    max_failures: int = 30
+
+
+@dataclass
+class Outcome:
+    """What :func:`run` produced: one :class:`JobResult` per job and the training-parity result."""
+
+    results: list[JobResult] = field(default_factory=list)
+    parity: Any = None  # abstractdiff.parity.ParitySummary
+    parity_error: str | None = None  # training parity raised (or its worker died)
+    seconds: float = 0.0
+
+    @property
+    def approximate(self) -> set[str]:
+        return {label for r in self.results for label in r.approximate}
+
+
+# ------------------------------------------------------------------- worker side
 _progress_queue: Any = None
+_in_worker = False
 
 
-def _init_worker(queue: Any) -> None:
-    global _progress_queue
-    _progress_queue = queue
-    # Worker processes share the machine's cores: one thread each for the libraries.
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ.setdefault(var, "1")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    # This worker process is ours: TensorFlow's retracing warnings (each scenario is a
-    # new function, retraced by design) would only clutter the report.
-    import logging
+def _quiet_logging() -> None:
+    """Silence library warnings below ERROR in a worker process of ours.
 
-    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    Libraries warn about retracing (each scenario is a new function, traced by design)
+    and the like; in the user's own process (``--jobs 1``) nothing is changed.  Called
+    at start-up and again once a backend exists, for loggers its library set a level on.
+    """
+    logging.getLogger().setLevel(logging.ERROR)
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger) and logging.NOTSET < logger.level < logging.ERROR:
+            logger.setLevel(logging.ERROR)
+
+
+def _import_modules(modules: Sequence[str]) -> None:
+    """Import the ``--import`` modules (their ``ad.register_backend`` calls take effect)."""
+    for module in modules:
+        importlib.import_module(module)
+
+
+def _init_worker(queue: Any, modules: Sequence[str] = ()) -> None:
+    """Pool initializer: progress queue, quiet logging, and the ``--import`` modules."""
+    global _progress_queue, _in_worker
+    _progress_queue, _in_worker = queue, True
+    _quiet_logging()
+    _import_modules(modules)
 
 
 def run_job(job: Job, tick: Callable[[str], None] | None = None) -> JobResult:
@@ -102,15 +168,15 @@ def run_job(job: Job, tick: Callable[[str], None] | None = None) -> JobResult:
     except Exception as err:  # reported as a failure of this backend, not raised
         out.error = f"{type(err).__name__}: {err}"
         return out
+    if _in_worker:
+        _quiet_logging()  # the backend's library is loaded now, with its loggers
     out.device = b.device
-    scenarios = testing.default_scenarios(job.dtype, job.scenarios)
-    targets = [b]
-    if job.implicit:
-        from .adapters.implicit import Implicit
-
-        targets.append(Implicit(b))
+    targets = [b, ad.Implicit(b)] if job.implicit else [b]
     for target in targets:
-        label = f"{testing.backend_label(target)} {job.device} {job.dtype}"
+        name = testing.backend_label(target)
+        if testing.is_approximate(target):
+            out.approximate.append(name)
+        label = f"{name} {job.device} {job.dtype}"
         out.reports.append(testing.check_backend(
             target, scenarios, progress=(lambda s, label=label: tick(label)) if tick else None))
     return out
@@ -164,11 +230,163 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _implicit_available() -> bool:
+def _backend_names(requested: list[str]) -> list[str]:
+    """The backends to check: those named, else every available one, less the implicit wrapper
+    (it runs as every backend's implicit mode, ``--no-implicit`` to skip)."""
+    import abstractdiff as ad
+
+    wrapper = ad.Implicit.name
+    return [n for n in (requested or available_backends()) if n != wrapper]
+
+
+def _load_problem(name: str) -> str | None:
+    """Why ``name`` cannot be created here, decided without importing its library."""
     try:
-        return importlib.util.find_spec("abstractdiff.adapters.implicit") is not None
-    except (ImportError, ValueError):
-        return False
+        reason = unavailable_reason(name)
+    except Exception as err:  # an unknown name
+        reason = f"{type(err).__name__}: {err}"
+    return None if reason is None else f"{name}: cannot load: {reason}"
+
+
+def _start_order(jobs: list[Job]) -> list[Job]:
+    """GPU jobs first, otherwise the plan's order (stable).
+
+    The point is to start long jobs first, but which backends are slow (compiling ones)
+    is only known once their library is loaded, which planning must not do.  A GPU job
+    either finishes at once (no GPU: skipped) or pays for setting up the device, so it
+    goes first; the rest keep the backends' order, so that runs are reproducible.
+    """
+    return sorted(jobs, key=lambda j: j.device == "cpu")
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Decide the backends, jobs, notes, problems and whether parity runs; imports no AD library."""
+    from abstractdiff import testing
+
+    requested = list(dict.fromkeys(args.backend or []))
+    dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
+    names = _backend_names(requested)
+    implicit = not args.no_implicit
+    scenarios = tuple(args.scenario) if args.scenario else None
+    notes: list[str] = []
+    problems: list[str] = []  # failures outside the reports (a requested backend missing...)
+    runnable: list[str] = []
+    for name in names:
+        problem = _load_problem(name)
+        if problem is not None:
+            (problems if name in requested else notes).append(problem)
+        else:
+            runnable.append(name)
+    jobs = [Job(name, kind, dtype, implicit, scenarios) for name in runnable for kind in DEVICES[args.device]
+            for dtype in dtypes]
+    if args.no_training:
+        parity_skip = "training parity: skipped (--no-training)"
+    elif importlib.util.find_spec(PARITY_MODULE) is None:
+        parity_skip = f"training parity: not available ({PARITY_MODULE} is not installed)"
+    elif not runnable:
+        parity_skip = "training parity: skipped (no backend to train)"
+    else:
+        parity_skip = ""
+    parity = not parity_skip
+    per_job = len(testing.default_scenarios(dtypes[0], scenarios)) * (2 if implicit else 1)
+    return Plan(
+        backends=names, requested=requested, dtypes=dtypes, device=args.device, implicit=implicit,
+        jobs=_start_order(jobs), notes=notes, problems=problems, parity=parity,
+        parity_backends=runnable if parity else [], parity_skip=parity_skip,
+        workers=max(1, min(args.jobs or _usable_cpus(), len(jobs) + parity)),
+        ticks=per_job * len(jobs) + parity, imports=tuple(args.imports or ()),
+        max_failures=args.max_failures,
+    )
+
+
+# ------------------------------------------------------------------- running
+def _error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def run(plan: Plan, progress: Callable[[str], None]) -> Outcome:
+    """Run the plan's jobs and training parity, in this process or in worker processes."""
+    started = time.perf_counter()
+    runner = _run_serial if plan.workers == 1 else _run_pool
+    outcome = runner(plan, progress)
+    outcome.seconds = time.perf_counter() - started
+    return outcome
+
+
+def _run_serial(plan: Plan, progress: Callable[[str], None]) -> Outcome:
+    """``--jobs 1``: everything in this process (the backends registered here are seen)."""
+    outcome = Outcome([run_job(job, tick=progress) for job in plan.jobs])
+    if plan.parity:
+        try:
+            outcome.parity = _run_parity(plan.parity_backends, plan.dtypes, plan.device != "cpu")
+        except Exception as err:
+            outcome.parity_error = _error_text(err)
+        progress("training parity")
+    return outcome
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """One thread per worker for the numerical libraries, set before they load in the child
+    (a spawned worker inherits this process's environment); restored afterwards."""
+    saved = {var: os.environ.get(var) for var in _THREAD_VARS}
+    for var in _THREAD_VARS:
+        os.environ.setdefault(var, "1")
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def _run_pool(plan: Plan, progress: Callable[[str], None]) -> Outcome:
+    """Worker processes (spawned: some AD libraries do not survive fork); each imports the
+    ``--import`` modules first, so that backends registered there exist in it too."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    outcome = Outcome()
+
+    def drain() -> None:
+        while not queue.empty():
+            progress(queue.get())
+
+    with ProcessPoolExecutor(plan.workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(queue, plan.imports)) as pool:
+        pending: dict[Future, Any] = {}
+        with _worker_environment():  # workers are spawned as jobs are submitted
+            if plan.parity:  # the longest single job: start it first
+                pending[pool.submit(_run_parity, plan.parity_backends, plan.dtypes, plan.device != "cpu")] = "parity"
+            for job in plan.jobs:
+                pending[pool.submit(run_job, job)] = job
+        while pending:
+            done, _ = wait(list(pending), timeout=0.2, return_when=FIRST_COMPLETED)
+            drain()
+            for fut in done:
+                _collect(outcome, pending.pop(fut), fut, progress)
+        drain()
+    return outcome
+
+
+def _collect(outcome: Outcome, what: Any, fut: Future, progress: Callable[[str], None]) -> None:
+    """File one finished future under ``outcome``; a crashed worker is reported, not raised."""
+    try:
+        value = fut.result()
+    except Exception as err:
+        if what == "parity":
+            outcome.parity_error = _error_text(err)
+        else:
+            outcome.results.append(JobResult(what, error=f"worker failed: {_error_text(err)}"))
+        return
+    if what == "parity":
+        outcome.parity = value
+        progress("training parity")
+    else:
+        outcome.results.append(value)
 
 
 # ------------------------------------------------------------------- reporting
@@ -202,8 +420,12 @@ def _table(reports: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def _agreement_lines(dtype: str, agreement: Any) -> list[str]:
-    """One line per dtype, plus one per pair that disagrees."""
+def _agreement_lines(dtype: str, agreement: Any, approximate: Collection[str] = ()) -> list[str]:
+    """One line per dtype, plus one per pair that disagrees.
+
+    ``approximate`` holds the labels of approximating backends: pairs without one of them
+    give the "between exact backends" figure (results are named ``"a vs b"``).
+    """
     pairs: dict[str, dict[str, Any]] = {}
     for r in agreement.results:
         p = pairs.setdefault(r.backend, {"ok": True, "max": None, "n": 0, "failed": 0})
@@ -212,7 +434,7 @@ def _agreement_lines(dtype: str, agreement: Any) -> list[str]:
         p["failed"] += not r.ok
         if r.max_error is not None:
             p["max"] = r.max_error if p["max"] is None else max(p["max"], r.max_error)
-    exact = {k: v for k, v in pairs.items() if "finite_differences" not in k}
+    exact = {k: v for k, v in pairs.items() if not set(k.split(" vs ")) & set(approximate)}
     bad = [k for k, v in pairs.items() if not v["ok"]]
 
     def worst(group: dict[str, dict[str, Any]]) -> str:
@@ -230,208 +452,137 @@ def _agreement_lines(dtype: str, agreement: Any) -> list[str]:
     return out
 
 
-def _check(args: argparse.Namespace) -> int:
+@dataclass
+class _Section:
+    """Part of the report: its text lines, its JSON entries and the failures it found."""
+
+    lines: list[str] = field(default_factory=list)
+    json: list[Any] = field(default_factory=list)
+    failures: list[Any] = field(default_factory=list)  # testing.Failure, or text
+
+
+def _sorted_results(plan: Plan, results: list[JobResult]) -> list[JobResult]:
+    """The plan's backend order, CPU before GPU, float64 before float32 (workers finish in any order)."""
+    order = {n: i for i, n in enumerate(plan.backends)}
+    return sorted(results, key=lambda r: (order.get(r.job.backend, len(order)), r.job.device != "cpu",
+                                          DTYPES.index(r.job.dtype) if r.job.dtype in DTYPES else len(DTYPES)))
+
+
+def _load_failures(plan: Plan, results: list[JobResult]) -> tuple[list[str], list[str]]:
+    """(notes, problems): a backend that failed to load is a problem if it was requested or
+    broke in an unexpected way, else a note (its library is simply missing)."""
+    notes, problems = list(plan.notes), list(plan.problems)
+    for r in results:
+        if r.error is None:
+            continue
+        text = f"{r.job.backend}: cannot load: {r.error}"
+        if r.job.backend in plan.requested or not r.error.startswith(("BackendUnavailableError", "ImportError")):
+            problems.append(text)
+        elif text not in notes:
+            notes.append(text)
+    return notes, problems
+
+
+def _conformance_section(reports: list[Any], notes: list[str]) -> _Section:
+    out = _Section()
+    if reports:
+        out.lines.append("conformance: ok/FAIL and the max relative error against the analytic results, per operator")
+        out.lines.extend(_table(reports).splitlines())
+    else:
+        out.lines.append("conformance: nothing ran")
+    out.lines.extend(f"  {note}" for note in notes)
+    out.failures = [f for rep in reports for f in rep.failures]
+    return out
+
+
+def _agreement_section(plan: Plan, reports: list[Any], approximate: Collection[str]) -> _Section:
+    """Cross-backend agreement on the CPU, per dtype."""
     from abstractdiff import testing
 
-    started = time.perf_counter()
-    requested = list(dict.fromkeys(args.backend or []))
-    dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
-    names = requested or [n for n in available_backends() if n != "implicit"]
-    names = [n for n in names if n != "implicit"]
-    implicit = not args.no_implicit and _implicit_available()
-    problems: list[str] = []  # failures outside the reports (a requested backend missing...)
-    notes: list[str] = []
-    jobs: list[Job] = []
-    kinds = {"all": ("cpu", "gpu"), "cpu": ("cpu",), "gpu": ("gpu",)}[args.device]
-    for name in names:
-        try:
-            reason = unavailable_reason(name)  # decided without importing the library
-        except Exception as err:  # an unknown name
-            reason = f"{type(err).__name__}: {err}"
-        if reason is not None:
-            (problems if name in requested else notes).append(f"{name}: cannot load: {reason}")
-            continue
-        for kind in kinds:
-            for dtype in dtypes:
-                jobs.append(Job(name, kind, dtype, implicit, tuple(args.scenario) if args.scenario else None))
-    scenario_count = len(testing.default_scenarios(dtypes[0], args.scenario or None))
-    total = sum(scenario_count * (2 if j.implicit else 1) for j in jobs)
-    parity_wanted = not args.no_training and importlib.util.find_spec(PARITY_MODULE) is not None
-    progress = _Progress(total + (1 if parity_wanted else 0), enabled=not args.no_progress)
-
-    results: list[JobResult] = []
-    parity: Any = None
-    parity_error: str | None = None
-    workers = max(1, min(args.jobs or _usable_cpus(), len(jobs) + parity_wanted))
-    try:
-        if workers == 1:
-            for job in sorted(jobs, key=lambda j: -_COST.get(j.backend, 2)):
-                results.append(run_job(job, tick=progress.update))
-            if parity_wanted:
-                try:
-                    parity = _run_parity(names, dtypes, args.device != "cpu")
-                except Exception as err:
-                    parity_error = f"{type(err).__name__}: {err}"
-                progress.update("training parity")
-        else:
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("spawn")  # jax and tensorflow do not survive fork
-            queue = ctx.Queue()
-            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
-                pending: dict[Future, Any] = {}
-                if parity_wanted:  # the longest single job: start it first
-                    pending[pool.submit(_run_parity, names, dtypes, args.device != "cpu")] = "parity"
-                for job in sorted(jobs, key=lambda j: -_COST.get(j.backend, 2)):
-                    pending[pool.submit(run_job, job)] = job
-                while pending:
-                    done, _ = wait(list(pending), timeout=0.2, return_when=FIRST_COMPLETED)
-                    while not queue.empty():
-                        progress.update(queue.get())
-                    for fut in done:
-                        what = pending.pop(fut)
-                        try:
-                            value = fut.result()
-                        except Exception as err:  # a crashed worker: report it
-                            if what == "parity":
-                                parity_error = f"{type(err).__name__}: {err}"
-                            else:
-                                results.append(JobResult(what, error=f"worker failed: {type(err).__name__}: {err}"))
-                            continue
-                        if what == "parity":
-                            parity = value
-                            progress.update("training parity")
-                        else:
-                            results.append(value)
-                while not queue.empty():
-                    progress.update(queue.get())
-    finally:
-        progress.close()
-
-    # ----------------------------------------------------------------- output
-    order = {n: i for i, n in enumerate(names)}
-    results.sort(key=lambda r: (order.get(r.job.backend, 99), r.job.device != "cpu", DTYPES.index(r.job.dtype)))
-    reports = [rep for r in results for rep in r.reports]
-    device_skips: dict[str, str] = {}
-    for r in results:
-        if r.error is not None:
-            text = f"{r.job.backend}: cannot load: {r.error}"
-            if r.job.backend in requested or not r.error.startswith(("BackendUnavailableError", "ImportError")):
-                problems.append(text)
-            elif text not in notes:
-                notes.append(text)
-        if r.skipped is not None:
-            device_skips[r.job.backend] = r.skipped
-    failures = [f for rep in reports for f in rep.failures]
-    out: list[str] = []
-    out.append(f"abstractdiff check: {len(names)} backend(s) ({', '.join(names) or 'none'}), "
-               f"{'explicit and implicit' if implicit else 'explicit'}; dtypes {', '.join(dtypes)}; "
-               f"device {args.device}")
-    out.append("")
-    if reports:
-        out.append("conformance: ok/FAIL and the max relative error against the analytic results, per operator")
-        out.append(_table(reports))
-    else:
-        out.append("conformance: nothing ran")
-    for note in notes:
-        out.append(f"  {note}")
-
-    # cross-backend agreement, on the CPU, per dtype
-    agreement_json = []
-    out.append("")
-    out.append("cross-backend agreement (cpu; pairwise, tolerance the sum of both backends' own):")
-    any_pair = False
-    for dtype in dtypes:
+    out = _Section(["cross-backend agreement (cpu; pairwise, tolerance the sum of both backends' own):"])
+    for dtype in plan.dtypes:
         same = [rep for rep in reports if rep.device == "cpu" and any(r.dtype == dtype for r in rep.results)]
         if len(same) < 2:
             continue
-        any_pair = True
         agreement = testing.compare_reports(same)
-        agreement_json.append({"dtype": dtype, **agreement.to_dict()})
-        out.extend(_agreement_lines(dtype, agreement))
-        failures += agreement.failures
-    if not any_pair:
-        out.append("  skipped: fewer than two backends ran")
+        out.json.append({"dtype": dtype, **agreement.to_dict()})
+        out.lines.extend(_agreement_lines(dtype, agreement, approximate))
+        out.failures += agreement.failures
+    if not out.json:
+        out.lines.append("  skipped: fewer than two backends ran")
+    return out
 
-    # GPU versus CPU
-    devices_json = []
-    out.append("")
-    out.append("devices (GPU results against CPU results: float32 rtol 1e-5, float64 rtol 1e-10):")
+
+def _device_section(plan: Plan, results: list[JobResult]) -> _Section:
+    """GPU results against the CPU results of the same backend and dtype."""
     from abstractdiff.testing._grid import device_comparison
 
-    for name in names:
-        if name in device_skips and args.device != "cpu":
-            out.append(f"  {name:<20} gpu vs cpu: skipped: {device_skips[name]}")
-            devices_json.append({"backend": name, "skipped": device_skips[name]})
+    out = _Section(["devices (GPU results against CPU results: float32 rtol 1e-5, float64 rtol 1e-10):"])
+    skips = {r.job.backend: r.skipped for r in results if r.skipped is not None}
+    for name in plan.backends:
+        if name in skips and plan.device != "cpu":
+            out.lines.append(f"  {name:<20} gpu vs cpu: skipped: {skips[name]}")
+            out.json.append({"backend": name, "skipped": skips[name]})
             continue
         gpu_reps = [rep for r in results if r.job.backend == name and r.device != "cpu" for rep in r.reports]
         for g in gpu_reps:
             cpu = next((c for r in results if r.job.backend == name and r.device == "cpu"
                         and r.job.dtype == g.results[0].dtype for c in r.reports if c.backend == g.backend), None)
             if cpu is None:
-                out.append(f"  {g.backend:<20} {g.device} vs cpu: skipped: no CPU run to compare with (--device gpu)")
+                out.lines.append(f"  {g.backend:<20} {g.device} vs cpu: skipped: no CPU run to compare with "
+                                 "(--device gpu)")
                 continue
             comp = device_comparison(cpu, g)
-            failures += comp.failures
-            devices_json.append({"backend": g.backend, "device": g.device, **comp.to_dict()})
+            out.failures += comp.failures
+            out.json.append({"backend": g.backend, "device": g.device, **comp.to_dict()})
             worst = max((r.max_error for r in comp.results if r.max_error is not None), default=None)
             err = "-" if worst is None else f"{worst:.1e}"
             verdict = "ok" if comp.ok else f"FAIL ({len(comp.failures)} differences)"
-            out.append(f"  {g.backend:<20} {g.device} vs cpu {g.results[0].dtype}: {verdict}, max relative "
-                       f"difference {err}")
-    if args.device == "cpu":
-        out.append("  skipped: --device cpu")
+            out.lines.append(f"  {g.backend:<20} {g.device} vs cpu {g.results[0].dtype}: {verdict}, max relative "
+                             f"difference {err}")
+    if plan.device == "cpu":
+        out.lines.append("  skipped: --device cpu")
+    return out
 
-    # training parity (abstractdiff.parity, from the training layer)
-    out.append("")
-    parity_ok = True
-    if parity is not None:
-        out.append(parity.format() if hasattr(parity, "format") else str(parity))
-        parity_ok = bool(getattr(parity, "ok", True))
-    elif parity_error is not None:
-        out.append(f"training parity: ERROR {parity_error}")
-        parity_ok = False
-    elif args.no_training:
-        out.append("training parity: skipped (--no-training)")
+
+def _parity_section(plan: Plan, outcome: Outcome) -> _Section:
+    """The parity table with a last line that speaks for parity alone.
+
+    ``ParitySummary.format()`` ends with "all runs agree" whenever no parity run failed,
+    even when every run was skipped; printed as is, it stood next to the overall FAIL
+    of a check whose conformance runs failed.  Its failed runs are counted as failures.
+    """
+    out = _Section()
+    parity = outcome.parity
+    if parity is None:
+        if outcome.parity_error is not None:
+            out.lines.append(f"training parity: ERROR {outcome.parity_error}")
+            out.failures.append(f"training parity: ERROR {outcome.parity_error}")
+        else:
+            out.lines.append(plan.parity_skip or "training parity: did not run")
+        return out
+    lines = (parity.format() if hasattr(parity, "format") else str(parity)).splitlines()
+    if lines and lines[-1].strip() in _PARITY_VERDICTS:
+        lines.pop()
+    out.lines.extend(lines)
+    runs = list(getattr(parity, "results", []))
+    status = Counter(getattr(r, "status", "") for r in runs)
+    for r in runs:
+        if getattr(r, "status", "") in ("fail", "error"):
+            detail = r.reason if r.status == "error" else f"max rel diff {r.max_rel_diff:.1e} > rtol {r.rtol:.0e}"
+            out.failures.append(f"training parity: {r.backend} {r.mode} {r.device} {r.dtype}: "
+                                f"{r.status.upper()} {detail}")
+    if not bool(getattr(parity, "ok", True)) and not out.failures:
+        out.failures.append("training parity: not ok")
+    skipped = f", {status['skip']} skipped" if status["skip"] else ""
+    if out.failures:
+        ran = status["pass"] + status["fail"] + status["error"]
+        out.lines.append(f"  training parity: FAIL ({len(out.failures)} of {ran} runs disagree or raised{skipped})")
+    elif status["pass"]:
+        out.lines.append(f"  training parity: ok (all {status['pass']} runs agree with the numpy reference{skipped})")
     else:
-        out.append(f"training parity: not available ({PARITY_MODULE} is not installed)")
-
-    if not reports and not problems:
-        problems.append("nothing ran: no backend was available" + (" with a GPU" if args.device == "gpu" else ""))
-    ok = not failures and not problems and parity_ok
-    if failures or problems:
-        out.append("")
-        out.append("failures:")
-        out.extend(f"  {p}" for p in problems)
-        shown = failures[: args.max_failures]
-        out.extend(f"  {f}" for f in shown)
-        if len(failures) > len(shown):
-            out.append(f"  ... and {len(failures) - len(shown)} more (--max-failures, or --json for all)")
-    elapsed = time.perf_counter() - started
-    out.append("")
-    out.append(f"{'PASS' if ok else 'FAIL'}: {len(reports)} backend x device x dtype runs, "
-               f"{sum(len(r.results) for r in reports)} checks, {len(failures) + len(problems)} failure(s), "
-               f"{elapsed:.1f} s")
-    print("\n".join(out))
-
-    if args.json:
-        data = {
-            "ok": ok,
-            "seconds": elapsed,
-            "backends": names,
-            "dtypes": list(dtypes),
-            "device": args.device,
-            "implicit": implicit,
-            "problems": problems,
-            "reports": [rep.to_dict() for rep in reports],
-            "agreement": agreement_json,
-            "devices": devices_json,
-            "training_parity": _parity_json(parity, parity_error),
-            "failures": [str(f) for f in failures],
-        }
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, default=str)
-    return 0 if ok else 1
+        out.lines.append(f"  training parity: nothing compared ({status['skip']} skipped)")
+    return out
 
 
 def _parity_json(parity: Any, error: str | None) -> Any:
@@ -443,7 +594,77 @@ def _parity_json(parity: Any, error: str | None) -> Any:
     return {"ok": bool(getattr(parity, "ok", True)), "results": results, "text": str(parity)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _header(plan: Plan) -> str:
+    return (f"abstractdiff check: {len(plan.backends)} backend(s) ({', '.join(plan.backends) or 'none'}), "
+            f"{'explicit and implicit' if plan.implicit else 'explicit'}; dtypes {', '.join(plan.dtypes)}; "
+            f"device {plan.device}")
+
+
+def report(plan: Plan, outcome: Outcome) -> tuple[list[str], dict[str, Any], int]:
+    """The text lines, the JSON document and the exit status (0 pass, 1 fail) of a run.
+
+    Every failure (conformance, agreement, devices, training parity, backends that
+    could not load) is listed and counted in the final PASS/FAIL line.
+    """
+    results = _sorted_results(plan, outcome.results)
+    reports = [rep for r in results for rep in r.reports]
+    notes, problems = _load_failures(plan, results)
+    conformance = _conformance_section(reports, notes)
+    agreement = _agreement_section(plan, reports, outcome.approximate)
+    devices = _device_section(plan, results)
+    parity = _parity_section(plan, outcome)
+    if not reports and not problems:
+        problems.append("nothing ran: no backend was available" + (" with a GPU" if plan.device == "gpu" else ""))
+    failures = conformance.failures + agreement.failures + devices.failures
+    count = len(problems) + len(failures) + len(parity.failures)
+    lines = [_header(plan)]
+    for section in (conformance, agreement, devices, parity):
+        lines += ["", *section.lines]
+    if count:
+        shown = failures[: plan.max_failures]
+        lines += ["", "failures:", *(f"  {p}" for p in problems), *(f"  {f}" for f in shown)]
+        if len(failures) > len(shown):
+            lines.append(f"  ... and {len(failures) - len(shown)} more (--max-failures, or --json for all)")
+        lines += [f"  {p}" for p in parity.failures]
+    ok = count == 0
+    lines += ["", f"{'PASS' if ok else 'FAIL'}: {len(reports)} backend x device x dtype runs, "
+              f"{sum(len(r.results) for r in reports)} checks, {count} failure(s), {outcome.seconds:.1f} s"]
+    data = {
+        "ok": ok,
+        "seconds": outcome.seconds,
+        "backends": plan.backends,
+        "dtypes": list(plan.dtypes),
+        "device": plan.device,
+        "implicit": plan.implicit,
+        "problems": problems,
+        "reports": [rep.to_dict() for rep in reports],
+        "agreement": agreement.json,
+        "devices": devices.json,
+        "training_parity": _parity_json(outcome.parity, outcome.parity_error),
+        "failures": [str(f) for f in failures],
+    }
+    return lines, data, 0 if ok else 1
+
+
+# ------------------------------------------------------------------- command
+def _check(args: argparse.Namespace) -> int:
+    """``abstractdiff check``: plan, run, report."""
+    the_plan = plan(args)
+    progress = _Progress(the_plan.ticks, enabled=not args.no_progress)
+    try:
+        outcome = run(the_plan, progress.update)
+    finally:
+        progress.close()
+    lines, data, status = report(the_plan, outcome)
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, default=str)
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``abstractdiff`` argument parser (its own function so tests can build a plan from argv)."""
     parser = argparse.ArgumentParser(prog="abstractdiff", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -456,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--backend", action="append", metavar="NAME",
                        help="backend to check (repeatable; default: every available one). A named backend that "
                        "cannot load is a failure.")
+    check.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                       help="import MODULE first, here and in every worker process (repeatable): a module that "
+                       "registers backends with ad.register_backend")
     check.add_argument("--device", choices=("all", "cpu", "gpu"), default="all",
                        help="cpu, gpu (the first accelerator of each backend), or all (default)")
     check.add_argument("--dtype", action="append", choices=DTYPES, help="dtype to check (repeatable; default both)")
@@ -469,15 +693,27 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     check.add_argument("--max-failures", type=int, default=30, help="failures listed in the text output (default 30)")
     check.set_defaults(run=_check)
-    args = parser.parse_args(argv)
-    if args.command == "check" and args.scenario:
-        from abstractdiff import testing
+    return parser
 
-        unknown = sorted(set(args.scenario) - set(testing.scenario_names()))
-        if unknown:
-            parser.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(testing.scenario_names())}")
-    if args.command == "check" and args.jobs is not None and args.jobs < 1:
-        parser.error("--jobs must be at least 1")
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        for module in args.imports or ():
+            try:
+                _import_modules([module])
+            except Exception as err:  # a broken or missing module: a usage error naming it
+                parser.error(f"--import {module}: {_error_text(err)}")
+        if args.scenario:
+            from abstractdiff import testing
+
+            unknown = sorted(set(args.scenario) - set(testing.scenario_names()))
+            if unknown:
+                parser.error(f"unknown scenario(s) {', '.join(unknown)}; "
+                             f"choose from {', '.join(testing.scenario_names())}")
+        if args.jobs is not None and args.jobs < 1:
+            parser.error("--jobs must be at least 1")
     return args.run(args)
 
 

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import optree
 
-from ._errors import ModeMismatchError, ShapeMismatchError
+from ._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
 from ._tree import is_array, is_float_leaf
 
 __all__ = [
@@ -413,30 +413,39 @@ class OptState(NamedTuple):
 
 
 # ------------------------------------------------------------------ variables
-# What counts as a variable is ad.Params' notion (abstractdiff._implicit), which
-# recognises torch and tensorflow objects only when their library is already loaded.
+# What counts as a variable is ad.Params' notion (abstractdiff._implicit): each library's
+# adapter recognises its own (is_variable, check_variable), found by the object's type.
 def _is_params(obj: Any) -> bool:
     return bool(getattr(obj, "_abstractdiff_params", False))
 
 
 def _is_variable(leaf: Any) -> bool:
-    from ._implicit import TORCH, _kind
+    """A variable its library would accept as a parameter, whatever its dtype (a torch
+    tensor that does not require grad is an array, not a variable)."""
+    from ._implicit import variable_owner
 
-    kind = _kind(leaf)
-    if kind == TORCH:  # a plain tensor is an array; a leaf requiring grad is a parameter
-        return bool(leaf.requires_grad and leaf.is_leaf)
-    return kind is not None
+    owner = variable_owner(leaf)
+    if owner is None:
+        return False
+    try:
+        owner.check_variable(leaf, "leaf")
+    except NonDifferentiableInputError:  # an integer variable: still a variable
+        return True
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def holds_variables(model: Any) -> bool:
     """Whether ``model`` is trained in place (implicit mode) rather than returned anew:
-    ``ad.Params``, a torch/Keras/tf model, or a pytree with variables among its leaves."""
-    from ._implicit import _kind, _module_variables
+    ``ad.Params``, a model of a library (``nn.Module``, Keras...), or a pytree with
+    variables among its leaves."""
+    from ._implicit import is_variable_or_model, model_variables
 
     if _is_params(model):
         return True
-    leaves = optree.tree_leaves(model, is_leaf=lambda v: _kind(v) is not None)
-    return any(_is_variable(v) or _module_variables(v) is not None for v in leaves)
+    leaves = optree.tree_leaves(model, is_leaf=is_variable_or_model)
+    return any(_is_variable(v) or model_variables(v) is not None for v in leaves)
 
 
 def params_of(model: Any) -> Any:
@@ -448,48 +457,44 @@ def params_of(model: Any) -> Any:
 
 def read(var: Any) -> Any:
     """The current value of a variable, as an array outside any autodiff graph."""
-    from ._implicit import TENSORFLOW, TORCH, _kind, _tf_variable
+    from ._implicit import variable_owner
 
-    kind = _kind(var)
-    if kind == TORCH:
-        return var.detach()
-    if kind == TENSORFLOW:
-        return _tf_variable(var).read_value()
-    return var.value
+    return variable_owner(var).read(var)
 
 
 def write(var: Any, value: Any) -> None:
     """Assign ``value`` to a variable in place (same shape and dtype)."""
-    from ._implicit import TENSORFLOW, TORCH, _kind
+    from ._implicit import variable_owner
 
-    kind = _kind(var)
-    if kind == TORCH:
-        import torch
-
-        with torch.no_grad():
-            var.copy_(value)
-    elif kind == TENSORFLOW:
-        var.assign(value)
-    else:
-        var.value = value
+    variable_owner(var).write(var, value)
 
 
-# ------------------------------------------------------------------ dtype scope
-def _is_jax_float64(a: Any) -> bool:
-    return type(a).__module__.startswith(("jax", "jaxlib")) and getattr(a, "dtype", None) == np.float64
+# ------------------------------------------------------------------ arithmetic scope
+def arithmetic_scope(leaves: Any) -> Any:
+    """The scopes the arrays' libraries need for arithmetic outside the operators.
 
-
-def x64_scope(leaves: Any) -> Any:
-    """``jax.enable_x64(True)`` if a leaf is a float64 jax array, else a no-op.
-
-    Arithmetic on float64 jax arrays outside the scope truncates to float32; the scope
-    is local, so the user's global jax configuration is never changed.
+    Each array's backend is found by its type and its ``scope`` hook entered (jax's x64
+    mode for float64 jax arrays, which would otherwise become float32); local, so no
+    library's global configuration is ever changed.  A no-op for numpy.
     """
-    if any(_is_jax_float64(a) for a in leaves):
-        import jax
+    from ._registry import backend_for
 
-        return jax.enable_x64(True)
-    return contextlib.nullcontext()
+    owners: dict[int, tuple[Any, list]] = {}
+    for a in leaves:
+        if a is None or type(a) is np.ndarray or isinstance(a, (int, float)):
+            continue
+        b = backend_for(a)
+        if b is not None:
+            owners.setdefault(id(b), (b, []))[1].append(a)
+    if not owners:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for b, arrays in owners.values():
+        stack.enter_context(b.scope(arrays))
+    return stack
+
+
+x64_scope = arithmetic_scope  # its older name
 
 
 def _is_float_leaf(a: Any) -> bool:
@@ -520,10 +525,10 @@ def setup(rule: Rule, model: Any) -> OptState:
         )
     if holds_variables(model):
         values = [read(v) for v in params_of(model)]
-        with x64_scope(values):
+        with arithmetic_scope(values):
             return OptState(rule, 0, [rule.init(x) for x in values], True)
     leaves, treedef = optree.tree_flatten(model)
-    with x64_scope(leaves):
+    with arithmetic_scope(leaves):
         states = [rule.init(x) if _is_float_leaf(x) else None for x in leaves]
     return OptState(rule, 0, optree.tree_unflatten(treedef, states), False)
 
@@ -584,7 +589,7 @@ def _update_explicit(state: OptState, model: Any, grads: Any) -> tuple[OptState,
     rule = state.rule
     new_leaves, new_states = [], []
     # the gradients too: numpy float64 leaves with jax float64 gradients compute in jax
-    with x64_scope([*leaves, *g_leaves]):
+    with arithmetic_scope([*leaves, *g_leaves]):
         for x, g, s in zip(leaves, g_leaves, s_leaves):
             if g is None or not _is_float_leaf(x):
                 new_leaves.append(x)
@@ -613,7 +618,7 @@ def _update_implicit(state: OptState, model: Any, grads: Any) -> tuple[OptState,
     # Everything is computed before anything is assigned, so a failure leaves the
     # variables as they were.  The gradients count for the scope too: ad.Variable boxes
     # of numpy float64 with jax float64 gradients compute in jax.
-    with x64_scope([*values, *gs]):
+    with arithmetic_scope([*values, *gs]):
         for x, g, s in zip(values, gs, state.tree):
             if g is None:
                 new_values.append(None)

@@ -34,12 +34,22 @@ __all__ = ["ParityResult", "ParitySummary", "RTOL", "mlp_init", "mlp_loss", "tra
 #: Relative tolerance of the final parameters, per dtype (atol = rtol * max|reference|).
 RTOL = {"float64": 1e-10, "float32": 1e-4}
 SIZES = (5, 8, 3)
-#: Backends left out of the comparison, with the reason shown in the summary.
-SKIP = {
-    "finite_differences": "approximates gradients (about 1e-10 relative in float64), so it cannot match "
-    "exact AD to rtol 1e-10 after many steps; it is the gradient oracle of the conformance suite instead",
-    "implicit": "runs as the implicit mode of every other backend",
-}
+#: Why a kind of backend is left out of the comparison, shown in the summary.
+SKIP_APPROXIMATE = (
+    "approximates gradients (about 1e-10 relative in float64), so it cannot match exact AD to rtol 1e-10 "
+    "after many steps; it is the gradient oracle of the conformance suite instead"
+)
+SKIP_IMPLICIT = "runs as the implicit mode of every other backend"
+
+
+def skip_reason(name: str) -> str | None:
+    """Why backend ``name`` is left out of the parity runs (its traits say), or ``None``."""
+    if name == "implicit":
+        return SKIP_IMPLICIT
+    b = backend(name)
+    if b.implicit:
+        return SKIP_IMPLICIT
+    return SKIP_APPROXIMATE if b.approximate else None
 
 
 def default_rule() -> optim.Rule:
@@ -177,7 +187,7 @@ def run_one(name: str, mode: str, device: str, dtype: str, rule: optim.Rule, epo
     model: Any = mlp_init(dtype)
     if mode == "implicit":
         from ._implicit import variables
-        from .adapters.implicit import Implicit
+        from ._implicit_backend import Implicit
 
         b: Any = Implicit(name, device=device) if device != "cpu" else Implicit(name)
         model = variables(model, b)
@@ -212,10 +222,11 @@ def training_parity(
     names = installed_backends() if backends is None else list(backends)
     any_accelerator = False
     for name in names:
-        if name in SKIP:
-            summary.results.append(ParityResult(name, "-", "-", "-", "skip", reason=SKIP[name]))
-            continue
         try:
+            why = skip_reason(name)
+            if why is not None:
+                summary.results.append(ParityResult(name, "-", "-", "-", "skip", reason=why))
+                continue
             device_names = backend(name).devices()
         except Exception as err:  # unavailable library, broken install: report, do not raise
             summary.results.append(ParityResult(name, "-", "-", "-", "skip", reason=f"{type(err).__name__}: {err}"))

@@ -102,6 +102,7 @@ def _primal(y: Any) -> Any:
 class AutogradBackend(Backend):
     name = "autograd"
     extra = "autograd"
+    modules = ("autograd",)
 
     def __init__(self, *, device: str | None = None, **options: Any):
         if options:
@@ -124,8 +125,10 @@ class AutogradBackend(Backend):
     def is_native(self, a: Any) -> bool:
         return isinstance(a, (np.ndarray, ArrayBox))
 
-    def asarray(self, a: Any, dtype: str | None = None) -> Any:
-        return np.asarray(a, dtype=dtype)
+    def to_numpy(self, a: Any) -> np.ndarray:
+        while isinstance(a, Box):  # an ArrayBox: unwrap to the primal value
+            a = a._value
+        return np.asarray(a)
 
     # ------------------------------------------------------------- primitives
     def _trace_reverse(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):

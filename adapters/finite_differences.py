@@ -30,6 +30,7 @@ def _stencil(values: list) -> np.ndarray:
 
 class FiniteDifferencesBackend(Backend):
     name = "finite_differences"
+    approximate = True
 
     def __init__(self, *, step: float | None = None, compute_dtype: str | None = None, device: str | None = None):
         if step is not None and not (isinstance(step, (int, float)) and 0 < step < 1):
@@ -60,9 +61,6 @@ class FiniteDifferencesBackend(Backend):
 
     def is_native(self, a: Any) -> bool:
         return isinstance(a, np.ndarray)
-
-    def asarray(self, a: Any, dtype: str | None = None) -> np.ndarray:
-        return np.asarray(a, dtype=dtype)
 
     def _relative_step(self, dtype: np.dtype, order: int = 1) -> float:
         if self.step is not None:

@@ -7,9 +7,10 @@ Two jax habits shape this module:
   closures handed back) runs under a scoped ``jax.enable_x64(True)`` when an input is
   float64, and the compiled variants are cached per x64 mode.
 * ``jit`` retraces for a new function object.  Compiled transforms are therefore built
-  once per cached :class:`~abstractdiff._tree.FlatFunction` and kept on ``fn.cache``;
-  the differentiated leaves and the data are traced arguments, so new data values of
-  the same shapes reuse the compiled code.
+  once per cached :class:`~abstractdiff._tree.FlatFunction` and kept in its typed cache
+  (``fn.artefacts(backend, operator)``, one variant per x64 mode); the differentiated
+  leaves and the data are traced arguments, so new data values of the same shapes reuse
+  the compiled code.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import DeviceError, TracedControlFlowError
+from abstractdiff._tree import HasArtefacts
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
 # jax raises these when Python needs a concrete value (bool(), int(), float()) of a tracer.
@@ -47,6 +49,7 @@ def _platform_devices(platform: str) -> list[Any]:
 class JaxBackend(Backend):
     name = "jax"
     extra = "jax"
+    modules = ("jax", "jaxlib")
 
     def __init__(self, *, device: str | None = None, compile: bool = True):
         if not isinstance(compile, bool):
@@ -119,10 +122,27 @@ class JaxBackend(Backend):
     def is_native(self, a: Any) -> bool:
         return isinstance(a, (jax.Array, jax.core.Tracer))
 
-    def asarray(self, a: Any, dtype: str | None = None) -> Any:
-        a = np.asarray(a, dtype=dtype)
+    def from_numpy(self, a: np.ndarray) -> Any:
         with self._scope(a.dtype in _WIDE):
             return jax.device_put(a, self._device)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(a)
+
+    def cast(self, a: Any, dtype: str) -> Any:
+        with self._scope(np.dtype(dtype) in _WIDE or _wants_x64([a])):
+            return a.astype(dtype)
+
+    def asarray_like(self, a: np.ndarray, like: Any) -> Any:
+        device = next(iter(like.devices())) if hasattr(like, "devices") else self._device
+        with self._scope(a.dtype in _WIDE):
+            return jax.device_put(a, device)
+
+    def scope(self, arrays: Any) -> Any:
+        # arithmetic on float64 jax arrays outside the scope truncates to float32; the scope
+        # is local, so the user's global jax configuration is never changed
+        wide = any(isinstance(a, (jax.Array, jax.core.Tracer)) and a.dtype == np.float64 for a in arrays)
+        return jax.enable_x64(True) if wide else contextlib.nullcontext()
 
     def zeros_like(self, a: Any) -> Any:
         with self._scope(_wants_x64([a])):
@@ -157,28 +177,25 @@ class JaxBackend(Backend):
 
         return call
 
-    @staticmethod
-    def _aux_statics(fn: Any, operator: str | None) -> dict | None:
-        cache = getattr(fn, "cache", None)
-        return None if cache is None else cache.setdefault(("jax", "aux", operator), {})
+    def _aux_statics(self, fn: Any, operator: str | None) -> dict | None:
+        # per input signature: the non-array aux leaves set aside at trace time
+        if not isinstance(fn, HasArtefacts):
+            return None
+        return fn.artefacts(self, f"aux of {operator}").get("statics", dict)
 
     def _aux(self, fn: Any, operator: str | None, xs: list, data: list, aux: Any) -> Any:
-        if aux is None or getattr(fn, "cache", None) is None:  # not split: see _compiled
+        if aux is None or not isinstance(fn, HasArtefacts):  # not split: see _compiled
             return aux
-        treedef, dynamic, static = self._aux_statics(fn, operator)[_signature(xs, data)]
+        treedef, dynamic, static = self._aux_statics(fn, operator)[_signature(xs, data)]  # type: ignore[index]
         values = iter(aux)
         return jax.tree_util.tree_unflatten(treedef, [next(values) if d else v for d, v in zip(dynamic, static)])
 
     def _compiled(self, fn: Any, operator: str, x64: bool, build: Callable[[], Callable]) -> Callable:
-        cache = getattr(fn, "cache", None)
-        if cache is None:  # a plain callable (not from the core): a jit would retrace every call
+        if not isinstance(fn, HasArtefacts):  # a plain callable (not from the core): a jit would retrace every call
             return build()
-        key = ("jax", operator, x64, self.compile)
-        compiled = cache.get(key)
-        if compiled is None:
-            compiled = jax.jit(build()) if self.compile else build()
-            cache[key] = compiled
-        return compiled
+        # jit caches per input shapes and dtypes itself; the x64 mode changes what a trace
+        # means (float64 inputs are float32 outside it), so it is part of the variant
+        return fn.artefacts(self, operator).get(x64, lambda: jax.jit(build()) if self.compile else build())
 
     # ------------------------------------------------------------- primitives
     def flat_value_and_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
@@ -223,11 +240,6 @@ class JaxBackend(Backend):
 
     def flat_prepare_value_and_gradient(self, fn: Callable, xs: list, data: list) -> Callable:
         x64 = _wants_x64(xs, data)
-        cache = getattr(fn, "cache", None)
-        key = ("jax", "value_and_gradient_run", x64, self.compile)
-        run = None if cache is None else cache.get(key)
-        if run is not None:
-            return run
         compiled = self._compiled(
             fn, "value_and_gradient", x64, lambda: jax.value_and_grad(self._traced(fn, "gradient"), has_aux=True)
         )
@@ -248,8 +260,6 @@ class JaxBackend(Backend):
                 aux = self._aux(fn, "gradient", xs, data, aux)
             return y, aux, grads
 
-        if cache is not None:
-            cache[key] = run
         return run
 
     def flat_jacobian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list]:

@@ -10,14 +10,17 @@ then differentiate through it.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any, Callable
 
 import numpy as np
 import optree
 import tensorflow as tf
 
-from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import DeviceError, TracedControlFlowError
+import abstractdiff._operators
+from abstractdiff._backend import OPERATOR_METHODS, Backend, check_scalar
+from abstractdiff._errors import DeviceError, ModeMismatchError, TracedControlFlowError
+from abstractdiff._tree import Artefacts, HasArtefacts, check_output, split_aux
 
 _ZERO = tf.UnconnectedGradients.ZERO
 _DEVICE = re.compile(r"^(cpu|gpu|cuda)(?::(\d+))?$")
@@ -61,9 +64,30 @@ def _watched(tape: tf.GradientTape, xs: list) -> list:
     return xs
 
 
+def _keras_variable_type() -> Any:
+    keras = sys.modules.get("keras")  # Keras is never imported here: its variables exist only if it is
+    return getattr(keras, "Variable", ()) if keras is not None else ()
+
+
+def _tf_variable(v: Any) -> Any:
+    """The ``tf.Variable`` a tape watches: Keras 3 variables wrap one in ``.value``."""
+    keras_variable = _keras_variable_type()
+    return v.value if keras_variable and isinstance(v, keras_variable) else v
+
+
+def _dense(g: Any) -> Any:
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _implicit_output(out: Any) -> Any:
+    y = check_output(out)
+    return y if tf.is_tensor(y) else tf.constant(np.asarray(y))
+
+
 class TensorFlowBackend(Backend):
     name = "tensorflow"
     extra = "tensorflow"
+    modules = ("tensorflow", "keras", "tf_keras")
 
     def __init__(self, *, device: str | None = None, compile: bool = True):
         if not isinstance(compile, bool):
@@ -99,26 +123,98 @@ class TensorFlowBackend(Backend):
     def is_native(self, a: Any) -> bool:
         return isinstance(a, (tf.Tensor, tf.Variable))
 
-    def asarray(self, a: Any, dtype: str | None = None) -> Any:
+    def from_numpy(self, a: np.ndarray) -> Any:
         with tf.device(self.tf_device):
-            t = tf.convert_to_tensor(np.asarray(a, dtype=dtype))
+            t = tf.convert_to_tensor(a)
             # Eager constants are created on the host; identity copies them to the device.
             return t if self.device == "cpu" else tf.identity(t)
 
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(a.numpy())
+
+    def cast(self, a: Any, dtype: str) -> Any:
+        return tf.cast(a, dtype)
+
+    def asarray_like(self, a: np.ndarray, like: Any) -> Any:
+        with tf.device(like.device):
+            return tf.identity(tf.convert_to_tensor(a))
+
+    # --------------------------------------------------------------- variables
+    # tf.Variable, and Keras 3 variables (on the tensorflow Keras backend), which wrap one.
+    def is_variable(self, v: Any) -> bool:
+        keras_variable = _keras_variable_type()
+        return isinstance(v, tf.Variable) or bool(keras_variable) and isinstance(v, keras_variable)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        if not isinstance(_tf_variable(v), tf.Variable):
+            raise ModeMismatchError(
+                f"{where} is a Keras variable of the {type(v.value).__module__.partition('.')[0]!r} "
+                f"backend; the implicit adapter differentiates Keras models on the tensorflow backend "
+                f"(KERAS_BACKEND=tensorflow)"
+            )
+        super().check_variable(v, where)
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        # tf.Module, Keras layers and models (not a variable, which has .variables too in Keras)
+        if self.is_variable(obj) or not (hasattr(obj, "trainable_variables") and hasattr(obj, "variables")):
+            return None
+        trainable = list(obj.trainable_variables)
+        ids = {id(v) for v in trainable}
+        return trainable, len([v for v in obj.variables if id(v) not in ids])
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        return None if self.model_variables(obj) is None else [("", v) for v in obj.variables]
+
+    def read(self, var: Any) -> Any:
+        return _tf_variable(var).read_value()
+
+    def write(self, var: Any, value: Any) -> None:
+        var.assign(value)
+
+    def current_value(self, var: Any) -> Any:
+        return _tf_variable(var).read_value()  # recorded on the tape
+
+    def new_variable(self, value: Any) -> Any:
+        return tf.Variable(value)
+
+    def aliases(self, var: Any) -> tuple[Any, ...]:
+        inner = _tf_variable(var)
+        return () if inner is var else (inner,)
+
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        watched = [_tf_variable(v) for v in variables]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(watched)
+            y, aux = split_aux(f(*args), has_aux)
+            y = _implicit_output(y)
+        check_scalar(y)
+        grads = tape.gradient(y, watched, unconnected_gradients=_ZERO)
+        return y, aux, [_dense(g) for g in grads]
+
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        watched = [_tf_variable(v) for v in variables]
+        # persistent: the pullback may be called more than once
+        with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+            tape.watch(watched)
+            y = _implicit_output(f(*args))
+
+        def vjp(dy: Any) -> list:
+            dy = tf.cast(self.cotangent(dy, y), y.dtype)
+            grads = tape.gradient(y, watched, output_gradients=dy, unconnected_gradients=_ZERO)
+            return [_dense(g) for g in grads]
+
+        return y, vjp
+
     # ---------------------------------------------------------------- running
     def _run(self, fn: Any, kind: str, body: Callable, *groups: list) -> tuple:
-        """``body(fn, *groups) -> (outputs, aux)``, compiled and cached on ``fn.cache``."""
+        """``body(fn, *groups) -> (outputs, aux)``, compiled and cached in ``fn``'s artefacts."""
         if not (self.compile and tf.executing_eagerly()):
             with tf.device(self.tf_device):
                 return body(fn, *groups)
-        cache = getattr(fn, "cache", None)
-        if cache is None:
-            cache = {}
-        key = ("tensorflow", kind, self.tf_device)  # tracing bakes the device into the graph
-        entry = cache.get(key)
-        if entry is None:
-            entry = cache[key] = self._compiled(fn, body)
-        compiled, statics = entry
+        store = fn.artefacts(self, kind) if isinstance(fn, HasArtefacts) else Artefacts(kind)
+        # tf.function retraces per input signature itself; the device is baked into the
+        # graph at trace time and is one of the backend's options (part of the store's key)
+        compiled, statics = store.get("tf.function", lambda: self._compiled(fn, body))
         try:
             outputs, aux_arrays = compiled(*groups)
         except Exception as err:
@@ -244,3 +340,14 @@ class TensorFlowBackend(Backend):
 
     def flat_hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
         return self._run(fn, "hvp", self._hvp, xs, data, tangents)[0]
+
+
+# TensorFlow's autograph rewrites the Python source of every function called inside a
+# user's tf.function, abstractdiff's operators included, and has been seen to mix up
+# converted methods.  They need no rewriting (they call TensorFlow ops directly), so mark
+# them the way tf.autograph.experimental.do_not_convert does: autograph calls such
+# functions as they are.
+for _name in abstractdiff._operators.__all__:
+    getattr(abstractdiff._operators, _name).autograph_info__ = frozenset()
+for _name in OPERATOR_METHODS:
+    getattr(Backend, _name).autograph_info__ = frozenset()

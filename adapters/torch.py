@@ -35,8 +35,8 @@ import torch
 import torch.func
 
 from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import DeviceError
-from abstractdiff._tree import FlatFunction
+from abstractdiff._errors import DeviceError, ModeMismatchError, NonDifferentiableInputError
+from abstractdiff._tree import FlatFunction, artefacts, check_output, split_aux
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -70,6 +70,7 @@ class _AuxCarrier:
 class TorchBackend(Backend):
     name = "torch"
     extra = "torch"
+    modules = ("torch",)
 
     def __init__(self, *, device: str | None = None, compile: bool | str = False):
         if not isinstance(compile, (bool, str)):
@@ -113,20 +114,125 @@ class TorchBackend(Backend):
     def is_native(self, a: Any) -> bool:
         return isinstance(a, torch.Tensor)
 
-    def asarray(self, a: Any, dtype: str | None = None) -> torch.Tensor:
-        if isinstance(a, torch.Tensor):
-            return a.to(device=self.torch_device, dtype=getattr(torch, dtype) if dtype else None)
-        arr = np.asarray(a, dtype=dtype)
+    def from_numpy(self, a: np.ndarray) -> torch.Tensor:
         # torch.as_tensor rejects negative strides and warns on read-only arrays.
-        if not arr.flags.writeable or any(s < 0 for s in arr.strides):
-            arr = arr.copy()
-        return torch.as_tensor(arr, device=self.torch_device)
+        if not a.flags.writeable or any(s < 0 for s in a.strides):
+            a = a.copy()
+        return torch.as_tensor(a, device=self.torch_device)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        a = a.detach().cpu()
+        if a.dtype == torch.bfloat16:
+            # numpy has no bfloat16 of its own: ml_dtypes' (shipped with jax and
+            # tensorflow) keeps the dtype; without it, widen to float32 exactly.
+            try:
+                import ml_dtypes
+            except ImportError:
+                return a.float().numpy()
+            return a.float().numpy().astype(ml_dtypes.bfloat16)
+        return a.numpy()
+
+    def cast(self, a: Any, dtype: str) -> torch.Tensor:
+        return a.to(dtype=getattr(torch, dtype))
 
     def zeros_like(self, a: Any) -> torch.Tensor:
         return torch.zeros_like(a)
 
     def ones_like(self, a: Any) -> torch.Tensor:
         return torch.ones_like(a)
+
+    def asarray_like(self, a: np.ndarray, like: Any) -> torch.Tensor:
+        t = torch.as_tensor(a, device=like.device)
+        return t.requires_grad_() if like.requires_grad and t.is_floating_point() else t
+
+    # --------------------------------------------------------------- variables
+    # A torch parameter is a leaf tensor that requires grad (an nn.Parameter or not).
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, torch.Tensor)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        # requires_grad first: an integer tensor cannot require grad, so it is data, not a variable
+        if not v.requires_grad:
+            raise ModeMismatchError(
+                f"{where} is a torch tensor that does not require grad; call .requires_grad_() on it "
+                f"(or create it with ad.variables(tree, 'torch'))"
+            )
+        if not v.is_leaf:
+            raise ModeMismatchError(
+                f"{where} is a torch tensor computed from other tensors (not a leaf); parameters must "
+                f"be leaf tensors: use the tensors it was computed from, or .detach().requires_grad_()"
+            )
+        if not v.is_floating_point():
+            raise NonDifferentiableInputError(
+                f"{where} is a torch tensor of dtype {v.dtype}; only float tensors can be parameters"
+            )
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        if not isinstance(obj, torch.nn.Module):
+            return None
+        params = list(obj.parameters())  # already de-duplicated (shared weights)
+        trainable = [p for p in params if p.requires_grad]
+        return trainable, len(params) - len(trainable)
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # parameters (frozen ones too) and buffers (BatchNorm's running statistics), in
+        # state_dict order and with its names
+        return list(obj.state_dict(keep_vars=True).items()) if isinstance(obj, torch.nn.Module) else None
+
+    def read(self, var: Any) -> torch.Tensor:
+        return var.detach()
+
+    def write(self, var: Any, value: Any) -> None:
+        with torch.no_grad():
+            var.copy_(value)
+
+    def current_value(self, var: Any) -> torch.Tensor:
+        return var
+
+    def new_variable(self, value: Any) -> torch.Tensor:
+        return value.detach().clone().requires_grad_(True)
+
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        args = self._on_device_of(variables, args)
+        with torch.enable_grad():
+            y, aux = split_aux(f(*args), has_aux)
+            y = self._implicit_output(y)
+            check_scalar(y)
+            if y.requires_grad:
+                # never .backward(): it would accumulate into every parameter's .grad
+                grads = torch.autograd.grad(y, variables, allow_unused=True, materialize_grads=True)
+            else:
+                grads = tuple(torch.zeros_like(p) for p in variables)
+        return y.detach(), self._detached(aux), list(grads)
+
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        args = self._on_device_of(variables, args)
+        with torch.enable_grad():
+            y = self._implicit_output(f(*args))
+
+        def vjp(dy: Any) -> list:
+            # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
+            dy = torch.as_tensor(self.cotangent(dy, y), dtype=y.dtype, device=y.device)
+            if not y.requires_grad:
+                return [torch.zeros_like(p) for p in variables]
+            with torch.enable_grad():
+                grads = torch.autograd.grad(
+                    y, variables, grad_outputs=dy, retain_graph=True, allow_unused=True, materialize_grads=True
+                )
+            return list(grads)
+
+        return y.detach(), vjp
+
+    def _implicit_output(self, out: Any) -> torch.Tensor:
+        y = check_output(out)
+        return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
+
+    @staticmethod
+    def _on_device_of(variables: list, args: tuple) -> tuple:
+        # data for a model moved to a GPU goes to the model's device
+        device = variables[0].device
+        return optree.tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a,
+                               args)
 
     def _tensor(self, y: Any) -> torch.Tensor:
         # f may return a numpy array or number that does not depend on x.
@@ -137,8 +243,8 @@ class TorchBackend(Backend):
         """``fn``, or its ``torch.compile``d twin, cached on ``fn.cache``."""
         if not self.compile or not isinstance(fn, FlatFunction):
             return fn
-        key = ("torch.compile", self.compile)
-        forward = fn.cache.get(key)
+        store = fn.artefacts(self, "torch.compile")
+        forward = store.peek("forward")
         if forward is not None:
             return forward
         call = self._compiled_callable(fn.f)
@@ -163,11 +269,11 @@ class TorchBackend(Backend):
                     RuntimeWarning,
                     stacklevel=2,
                 )
-                fn.cache[key] = fn
+                store.put("forward", fn)
                 return out
 
         if cacheable:
-            fn.cache[key] = forward
+            store.put("forward", forward)
         return forward
 
     def _compiled_callable(self, f: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -302,13 +408,13 @@ class TorchBackend(Backend):
 
         # Reverse mode costs one backward pass per output element, forward mode one pass
         # per input element: pick the smaller, from the output size seen once per signature.
-        key = ("output size", tuple((tuple(x.shape), x.dtype) for x in (*xs, *data)))
-        n_out = fn.cache.get(key) if hasattr(fn, "cache") else None
-        if n_out is None:
+        signature = tuple((tuple(x.shape), x.dtype, x.device) for x in (*xs, *data))
+
+        def output_size() -> int:
             with torch.no_grad():
-                n_out = value(*xs).numel()
-            if hasattr(fn, "cache"):
-                fn.cache[key] = n_out
+                return value(*xs).numel()
+
+        n_out = artefacts(fn, self, "output size").get(signature, output_size)
         n_in = sum(x.numel() for x in xs)
         transform = torch.func.jacfwd if n_out > n_in else torch.func.jacrev
         jacs, y = transform(with_value, argnums=tuple(range(len(xs))), has_aux=True)(*xs)

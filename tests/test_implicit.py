@@ -410,16 +410,16 @@ def test_jax_params_refused_by_torch_implicit():
 
 
 def test_cached_explicit_wrappers_do_not_keep_functions_or_variables_alive(fd_implicit):
-    from abstractdiff.adapters import implicit
+    from abstractdiff import _implicit_backend as implicit
 
     w = ad.Variable(np.ones(2))
     f = lambda: (w.value**2).sum()  # noqa: E731
     ad.gradient(fd_implicit, f, ad.Params([w]))
-    n = len(implicit._EXPLICIT)
+    n = len(implicit._FAMILIES)
     assert n >= 1
     del f
     gc.collect()
-    assert len(implicit._EXPLICIT) == n - 1
+    assert len(implicit._FAMILIES) == n - 1
 
 
 # ------------------------------------------------ other boxes f reads (not Params)
@@ -466,7 +466,7 @@ def test_replaced_other_boxes_kept_alive_are_not_accumulated(fd_implicit, monkey
 
 
 def test_other_boxes_set_follows_what_f_reads(fd_implicit, monkeypatch):
-    from abstractdiff.adapters import implicit
+    from abstractdiff import _implicit_backend as implicit
 
     w, a, c = ad.Variable(np.ones(2)), ad.Variable(np.array(2.0)), ad.Variable(np.array(3.0))
     use = {"c": True}
@@ -482,7 +482,7 @@ def test_other_boxes_set_follows_what_f_reads(fd_implicit, monkeypatch):
     assert_close(ad.gradient(fd_implicit, loss, ps)[w], [4.0, 4.0], FD_RTOL["float64"])
     assert_close(ad.gradient(fd_implicit, loss, ps)[w], [4.0, 4.0], FD_RTOL["float64"])
     assert counts == [0, 2, 1]  # rebuilt from the reads of the last call, not append-only
-    family = next(f for f in implicit._EXPLICIT.values() if f._f() is loss)
+    family = next(f for f in implicit._FAMILIES.values() if f._f() is loss)
     assert len(family.wrappers) <= implicit._Family.max_wrappers
 
 

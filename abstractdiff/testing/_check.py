@@ -59,14 +59,7 @@ def is_approximate(b: Backend) -> bool:
         >>> testing.is_approximate(fd), testing.is_approximate(ad.Implicit(fd))
         (True, True)
     """
-    inner = getattr(b, "inner", None)
-    if isinstance(inner, Backend) and inner is not b:
-        return is_approximate(inner)
-    if getattr(b, "approximate", False):
-        return True
-    from ..adapters.finite_differences import FiniteDifferencesBackend
-
-    return isinstance(b, FiniteDifferencesBackend)
+    return bool(b.approximate)
 
 
 def default_rtol(b: Backend, dtype: str, operator: str) -> float:
@@ -88,7 +81,7 @@ def default_rtol(b: Backend, dtype: str, operator: str) -> float:
 
 
 def is_implicit(b: Backend) -> bool:
-    return b.name == "implicit" and hasattr(b, "inner")
+    return bool(b.implicit)
 
 
 def backend_label(b: Backend) -> str:

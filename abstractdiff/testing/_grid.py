@@ -105,10 +105,8 @@ def load(case: Case) -> Backend:
             pytest.skip(f"{case.backend}: no GPU here (its devices: {', '.join(b.devices())})")
         b = ad.backend(case.backend, device=accelerators[0])
     if case.implicit:
-        try:
-            from ..adapters.implicit import Implicit
-        except ImportError as err:
-            pytest.skip(f"the implicit adapter (abstractdiff.adapters.implicit) is not available yet: {err}")
+        from .._implicit_backend import Implicit
+
         b = Implicit(b)
     return b
 

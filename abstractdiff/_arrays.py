@@ -1,0 +1,39 @@
+"""Small array helpers the core uses on any library's arrays (duck-typed, via autoray)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._errors import NonScalarOutputError
+
+
+def ar() -> Any:
+    """autoray, imported on first use: it costs ~90 ms to import, abstractdiff must not."""
+    import autoray
+
+    return autoray
+
+
+def shape_of(a: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in a.shape)
+
+
+def size_of(a: Any) -> int:
+    return math.prod(shape_of(a))
+
+
+def dtype_name(a: Any) -> str:
+    return ar().get_dtype_name(a)
+
+
+def check_scalar(y: Any, operator: str = "gradient") -> None:
+    if y.shape == ():  # the common case, cheaply (library shape objects compare to ())
+        return
+    shape = shape_of(y)
+    if shape != ():
+        raise NonScalarOutputError(
+            f"{operator} needs f to return a scalar (shape ()), but f returned an array of "
+            f"shape {shape}; reduce it to a scalar (e.g. .sum()), or use jacobian, pullback "
+            f"or pushforward for vector-valued functions"
+        )

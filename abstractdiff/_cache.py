@@ -1,0 +1,131 @@
+"""One cache utility: a bounded, thread-safe map whose entries die with their key objects.
+
+Every cache of abstractdiff that is keyed on user objects (the plan cache per user
+function, the bound loss functions of the training loop, the implicit adapter's wrapper
+families) has the same needs: look up by the *identity* of a few objects, never keep
+those objects alive, drop the entry as soon as one of them is garbage collected (so a
+recycled ``id`` can never find a stale entry), stay bounded, and be safe to use from
+several threads.  :class:`WeakLRU` is that, written once.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
+
+V = TypeVar("V")
+
+__all__ = ["WeakLRU"]
+
+
+class _Entry(Generic[V]):
+    __slots__ = ("value", "refs", "strong")
+
+    def __init__(self, value: V, refs: list[Any], strong: list[Any]):
+        self.value = value
+        self.refs = refs  # weak references whose callbacks drop the entry
+        self.strong = strong  # key objects that cannot be weakly referenced (held by the entry)
+
+
+class WeakLRU(Generic[V]):
+    """``{(objects..., extra key): value}`` keyed by identity, holding the objects weakly.
+
+    ``maxsize``: entries kept, least recently used out first (``None``: unbounded, entries
+    leave only when their objects die).  ``hold_unreferenceable``: what to do with a key
+    object that cannot be weakly referenced (a dict, an int): hold it strongly in the entry
+    until the entry is pushed out (``True``), or not cache at all (``False``: :meth:`put`
+    returns the value without storing it).
+
+    Weak-reference callbacks run wherever the garbage collector runs, possibly while this
+    thread holds the lock; they only pop one key, which is atomic, and take no lock.
+
+    Example:
+        >>> class Obj: pass
+        >>> cache = WeakLRU(maxsize=2)
+        >>> a = Obj()
+        >>> cache.put((a,), "value of a")
+        'value of a'
+        >>> cache.get((a,))
+        'value of a'
+        >>> del a
+        >>> len(cache)
+        0
+    """
+
+    def __init__(self, maxsize: int | None = None, *, hold_unreferenceable: bool = False):
+        self.maxsize = maxsize
+        self.hold_unreferenceable = hold_unreferenceable
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[Hashable, _Entry[V]] = OrderedDict()
+
+    @staticmethod
+    def key(objects: tuple[Any, ...], extra: Hashable = None) -> Hashable:
+        return (tuple(id(o) for o in objects), extra)
+
+    def get(self, objects: tuple[Any, ...], extra: Hashable = None) -> V | None:
+        """The value stored for these objects (and ``extra``), or ``None``; marks it recently used."""
+        key = self.key(objects, extra)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self.maxsize is not None:
+            with self._lock:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+        return entry.value
+
+    def put(self, objects: tuple[Any, ...], value: V, extra: Hashable = None) -> V:
+        """Store ``value`` for the objects; returns it (stored or not, see the class docstring)."""
+        key = self.key(objects, extra)
+        entries = self._entries
+        drop: Callable[[Any], None] = lambda _ref, key=key: entries.pop(key, None)  # noqa: E731
+        refs, strong = [], []
+        for obj in objects:
+            try:
+                refs.append(weakref.ref(obj, drop))
+            except TypeError:
+                if not self.hold_unreferenceable:
+                    return value
+                strong.append(obj)
+        with self._lock:
+            entries[key] = _Entry(value, refs, strong)
+            entries.move_to_end(key)
+            if self.maxsize is not None:
+                while len(entries) > self.maxsize:
+                    entries.popitem(last=False)
+        return value
+
+    def get_or_put(self, objects: tuple[Any, ...], build: Callable[[], V], extra: Hashable = None) -> V:
+        """The stored value, or ``build()`` stored (one build per key even with several threads)."""
+        value = self.get(objects, extra)
+        if value is not None:
+            return value
+        with self._lock:
+            value = self.get(objects, extra)
+            if value is None:
+                value = self.put(objects, build(), extra)
+        return value
+
+    def pop(self, objects: tuple[Any, ...], extra: Hashable = None) -> V | None:
+        entry = self._entries.pop(self.key(objects, extra), None)
+        return None if entry is None else entry.value
+
+    def discard_value(self, value: V) -> None:
+        """Remove every entry holding ``value`` (by identity)."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.value is value]:
+                self._entries.pop(key, None)
+
+    def values(self) -> Iterator[V]:
+        with self._lock:
+            items = [e.value for e in self._entries.values()]
+        return iter(items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
