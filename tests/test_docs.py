@@ -60,6 +60,21 @@ import sys
 namespace = {"__name__": "__main__"}
 for where, source in BLOCKS:
     exec(compile(source, where, "exec"), namespace)
+
+# Every adapter a page defines must pass the whole conformance grid, explicit and implicit:
+# an example adapter in the docs is a promise to whoever copies it.
+import abstractdiff as ad
+from abstractdiff import testing
+
+for obj in list(namespace.values()):
+    if isinstance(obj, type) and issubclass(obj, ad.Backend) and obj.__module__ == "__main__":
+        backend = obj()
+        for target in (backend, ad.Implicit(backend)):
+            report = testing.check_backend(target)
+            if not report.ok:
+                print(f"the example adapter {obj.__name__} fails the conformance grid:\\n{report}", file=sys.stderr)
+                sys.exit(1)
+        print(f"example adapter {obj.__name__}: conformance grid passed", file=sys.stderr)
 """
 
 _PAGES_WITH_CODE = [p for p in pages() if python_blocks(p)]
@@ -75,6 +90,21 @@ def test_examples_run(page: Path, tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, f"an example of {_rel(page)} failed:\n{proc.stderr[-6000:]}"
+    for name in re.findall(r"^class (\w+)\(", page.read_text(), re.M):
+        assert f"example adapter {name}: conformance grid passed" in proc.stderr, f"{name} was not checked"
+
+
+def test_adapter_guide_lists_every_hook() -> None:
+    """docs/guide/adapters.md documents exactly the hooks of abstractdiff._hooks.HOOKS."""
+    from abstractdiff._hooks import HOOKS
+
+    text = (DOCS / "guide" / "adapters.md").read_text()
+    first_cells = re.findall(r"^\| ([^|]+) \|", text, re.M)
+    documented = {name for cell in first_cells for name in re.findall(r"`(\w+)", cell)} - {"method", "hook"}
+    hooks = {h for group in HOOKS.values() for h in group}
+    assert not hooks - documented, f"hooks missing from docs/guide/adapters.md: {sorted(hooks - documented)}"
+    unknown = {name for name in documented if not hasattr(ad.Backend, name)}
+    assert not unknown, f"docs/guide/adapters.md documents hooks that do not exist: {sorted(unknown)}"
 
 
 def test_block_extraction() -> None:

@@ -36,7 +36,13 @@ __all__ = [
 
 #: A pseudo-operator: the first first-order operator called again with numpy inputs.
 NUMPY_INPUTS = "numpy_inputs"
-COLUMNS: tuple[str, ...] = (*OPERATORS, NUMPY_INPUTS)
+#: A pseudo-operator: every operator of a scenario through its ``prepare_*`` twin, checked
+#: against the references and against the unprepared operator's results.
+PREPARED = "prepared"
+COLUMNS: tuple[str, ...] = (*OPERATORS, NUMPY_INPUTS, PREPARED)
+#: How close a prepared result must be to the unprepared one (relative to max|reference|):
+#: they share one code path, so they differ at most by rounding of a recompiled function.
+PREPARED_RTOL = {"float64": 1e-12, "float32": 1e-6}
 
 # (first order, second order) rtol per dtype.  Exact AD only loses rounding; the
 # finite-differences oracle carries truncation and cancellation error on top (~1e-10
@@ -348,6 +354,37 @@ def _call(b: Backend, s: Scenario, op: str, x: Any, args: tuple, tangent: Any, c
     raise ValueError(f"unknown operator {op!r}; known: {OPERATORS}")
 
 
+def _call_prepared(
+    b: Backend, s: Scenario, op: str, x: Any, args: tuple, tangent: Any, cotangent: Any
+) -> dict[str, Any]:
+    """``op`` through its ``prepare_*`` twin(s), prepared on ``(x, args)`` and called on them."""
+    from .. import _prepare as prep
+
+    f = s.f
+    if op == "gradient":
+        return {"gradient": prep.prepare_gradient(b, f, x, *args)(x, *args)}
+    if op == "value_and_gradient":
+        y, g = prep.prepare_value_and_gradient(b, f, x, *args)(x, *args)
+        return {"value": y, "gradient": g}
+    if op == "pullback":
+        y, vjp = prep.prepare_value_and_pullback(b, f, x, *args)(x, *args)
+        vjp_only = b.prepare("pullback", f, x, args)(x, *args)
+        return {"value": y, "pullback": vjp(cotangent), "pullback (vjp only)": vjp_only(cotangent)}
+    if op == "pushforward":
+        y, jvp = prep.prepare_value_and_pushforward(b, f, x, *args)(x, *args)
+        jvp_only = prep.prepare_pushforward(b, f, x, *args)(x, *args)
+        return {"value": y, "pushforward": jvp(tangent), "pushforward (jvp only)": jvp_only(tangent)}
+    if op == "derivative":
+        return {"derivative": prep.prepare_derivative(b, f, x, *args)(x, *args)}
+    if op == "jacobian":
+        return {"jacobian": prep.prepare_jacobian(b, f, x, *args)(x, *args)}
+    if op == "hessian":
+        return {"hessian": prep.prepare_hessian(b, f, x, *args)(x, *args)}
+    if op == "hvp":
+        return {"hvp": prep.prepare_hvp(b, f, x, tangent, *args)(x, tangent, *args)}
+    raise ValueError(f"unknown operator {op!r}; known: {OPERATORS}")
+
+
 def _error_text(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     first = text[0] if text else ""
@@ -356,7 +393,7 @@ def _error_text(err: BaseException) -> str:
 
 def _run_one(
     b: Backend, s: Scenario, op: str, *, numpy_inputs: bool, rtol: float | None, atol: float | None,
-    label: str, report: Report, record_as: str | None = None,
+    label: str, report: Report, record_as: str | None = None, prepared: bool = False,
 ) -> Result:
     tol = rtol if rtol is not None else default_rtol(b, s.dtype, op)
     name = record_as or op
@@ -369,7 +406,7 @@ def _run_one(
     before = _snapshot(inputs)
     start = time.perf_counter()
     try:
-        parts = _call(b, s, op, *inputs)
+        parts = (_call_prepared if prepared else _call)(b, s, op, *inputs)
     except Exception as err:  # a conformance harness reports, it does not stop
         seconds = time.perf_counter() - start
         report.errors[(s.id, name)] = _error_text(err)
@@ -378,14 +415,18 @@ def _run_one(
     else:
         seconds = time.perf_counter() - start
     for part, out in parts.items():
-        ref = s.reference(part)
-        if part in ("gradient", "pullback", "jacobian", "hvp"):
+        base = part.split(" (")[0]  # "pullback (vjp only)" is checked against pullback's reference
+        ref = s.reference(base)
+        if base in ("gradient", "pullback", "jacobian", "hvp"):
             ref = s._map_floats(lambda r: r, ref)  # None exactly at the non-float leaves of x
-        err, found = _compare(out, ref, rtol=tol, atol=atol, dtype=s.dtype, b=b, what=part)
+        what = f"{op}: {part}" if prepared else part
+        err, found = _compare(out, ref, rtol=tol, atol=atol, dtype=s.dtype, b=b, what=what)
         problems.extend(found)
         if err is not None:
             worst = err if worst is None else max(worst, err)
-        if not numpy_inputs:
+        if prepared:
+            problems.extend(_same_as_unprepared(report, s, op, base, out, ref, what))
+        elif not numpy_inputs:
             try:
                 report.outputs[(s.id, op, part)] = to_numpy(out)
             except Exception:  # noqa: BLE001 - an unconvertible result is already a failure above
@@ -394,12 +435,44 @@ def _run_one(
     return Result(label, b.device, s.id, s.name, s.dtype, name, not problems, worst, tol, seconds, problems)
 
 
+def _same_as_unprepared(report: Report, s: Scenario, op: str, part: str, out: Any, ref: Any, what: str) -> list[str]:
+    """A prepared result must equal the unprepared one (one code path) up to rounding."""
+    unprepared = report.outputs.get((s.id, op, part))
+    if unprepared is None:
+        return []  # the unprepared operator failed: reported there
+    scale = max((float(np.max(np.abs(np.asarray(r, np.float64)), initial=0.0))
+                 for r in optree.tree_leaves(ref) if r is not None), default=0.0)
+    tol = PREPARED_RTOL.get(s.dtype, 1e-6) * max(scale, 1.0)
+    _, found = _compare(out, unprepared, rtol=0.0, atol=tol, dtype=None, b=None, what=what)
+    return [f"{p.replace('expected', 'unprepared gave')} (prepared and unprepared must agree)" for p in found]
+
+
+def _run_prepared(b: Backend, s: Scenario, ops: Sequence[str], *, rtol: float | None, atol: float | None,
+                  label: str, report: Report) -> Result:
+    """Every operator of ``s`` through its prepared twin: one result in the ``prepared`` column."""
+    problems: list[str] = []
+    worst: float | None = None
+    seconds = 0.0
+    tol = 0.0
+    for op in ops:
+        r = _run_one(b, s, op, numpy_inputs=False, rtol=rtol, atol=atol, label=label, report=report,
+                     record_as=PREPARED, prepared=True)
+        problems.extend(r.problems if all(p.startswith(op) for p in r.problems) else
+                        [p if p.startswith(op) else f"{op}: {p}" for p in r.problems])
+        seconds += r.seconds
+        tol = max(tol, r.rtol)
+        if r.max_error is not None:
+            worst = r.max_error if worst is None else max(worst, r.max_error)
+    return Result(label, b.device, s.id, s.name, s.dtype, PREPARED, not problems, worst, tol, seconds, problems)
+
+
 def _implicit_run(
     b: Backend, s: Scenario, op: str, *, rtol: float | None, atol: float | None, label: str, report: Report,
     state: dict,
 ) -> Result:
     """``op`` through the implicit adapter: x becomes variables, f reads them."""
     from .. import _operators as ops
+    from .. import _prepare as prep
     from .._implicit import Params, current_values, variables
 
     tol = rtol if rtol is not None else default_rtol(b, s.dtype, op)
@@ -420,11 +493,16 @@ def _implicit_run(
         args = _native(b, s.args)
         if op == "gradient":
             parts["gradient"] = ops.gradient(b, f, params, *args)
+            parts["prepared gradient"] = prep.prepare_gradient(b, f, params, *args)(params, *args)
         elif op == "value_and_gradient":
             parts["value"], parts["gradient"] = ops.value_and_gradient(b, f, params, *args)
+            prepared = prep.prepare_value_and_gradient(b, f, params, *args)
+            parts["prepared value"], parts["prepared gradient"] = prepared(params, *args)
         elif op == "pullback":
             parts["value"], vjp = ops.value_and_pullback(b, f, params, *args)
             parts["pullback"] = vjp(_native(b, s.cotangent))
+            parts["prepared value"], vjp = prep.prepare_value_and_pullback(b, f, params, *args)(params, *args)
+            parts["prepared pullback"] = vjp(_native(b, s.cotangent))
         else:
             raise ValueError(f"operator {op!r} has no implicit form")
         problems.extend(p.replace("input", "variable") for p in _unchanged(before, vs))
@@ -433,8 +511,9 @@ def _implicit_run(
         problems.append(_error_text(err))
     seconds = time.perf_counter() - start
     for part, out in parts.items():
-        ref = s.reference(part)
-        if part in ("gradient", "pullback"):
+        base = part.removeprefix("prepared ")  # a prepared twin is checked against the same reference
+        ref = s.reference(base)
+        if base in ("gradient", "pullback"):
             try:
                 out = _grads_as_tree(s, state["vs"], state["float_vars"], out)
             except Exception as err:  # noqa: BLE001
@@ -515,6 +594,8 @@ def check_backend(
                 report.results.append(
                     _run_one(b, s, op, numpy_inputs=False, rtol=rtol, atol=atol, label=label, report=report)
                 )
+            if ops:
+                report.results.append(_run_prepared(b, s, ops, rtol=rtol, atol=atol, label=label, report=report))
             first = next((op for op in ("gradient", "jacobian", "derivative") if op in ops), None)
             if first is not None:
                 report.results.append(_run_one(b, s, first, numpy_inputs=True, rtol=rtol, atol=atol, label=label,
