@@ -34,9 +34,11 @@ MAX_SIGNATURES = 32
 
 
 def _signature_key(xs: list, data: list) -> tuple:
-    # What a preparation may depend on: shapes and dtypes of every leaf (the x64 mode of
-    # jax, an output-size choice of torch...).  The backend's own objects, hashed as they are.
-    return tuple((a.shape, a.dtype) for a in xs) + tuple((a.shape, a.dtype) for a in data)
+    # What a preparation may depend on: the dtype of every leaf (jax's x64 mode follows it).
+    # Not the shapes: a preparation serves every shape (jit retraces per shape itself, and
+    # an adapter keys a shape-dependent artefact by shape in its own cache); keying on them
+    # would make a new preparation for every batch size.
+    return tuple([a.dtype for a in (xs + data if data else xs)])
 
 
 class Backend(DerivedOperators):
@@ -110,7 +112,8 @@ class Backend(DerivedOperators):
                 f"np.asarray(x, dtype=np.float64)), and pass non-differentiable data as "
                 f"extra arguments after x"
             )
-        return fn, [self.convert(v) for v in xs], [self.convert(v) for v in data]
+        asarray = self.asarray
+        return fn, [asarray(v) for v in xs], [asarray(v) for v in data]
 
     def cotangent(self, dy: Any, y: Any) -> Any:
         """``dy`` checked against ``y``'s shape and converted to a native array of its dtype."""
@@ -157,12 +160,15 @@ class Backend(DerivedOperators):
     def preparation(self, cls: type[Preparation], fn: FlatFunction, xs: list, data: list) -> Preparation:
         """The :class:`~abstractdiff._prepare.Preparation` of ``cls``'s operator for ``fn``
         and the signature of ``xs``/``data``, built once and cached on ``fn``."""
-        store = fn.artefacts(self, "preparations")
-        key = (cls, _signature_key(xs, data))
-        prep = store.peek(key)
+        # the hot path of every unprepared operator: one dict lookup in the common case
+        key = (self.cache_key, cls, _signature_key(xs, data))
+        preps = fn._preparations
+        prep = preps.get(key)
         if prep is None:
-            prep = store.get(key, lambda: cls(self, fn, xs, data))
-            store.trim(MAX_SIGNATURES * len(PREPARATIONS))
+            prep = cls(self, fn, xs, data)
+            preps[key] = prep
+            while len(preps) > MAX_SIGNATURES * len(PREPARATIONS):  # oldest out: bounded
+                preps.pop(next(iter(preps)), None)
         return prep
 
     def prepare(

@@ -62,18 +62,21 @@ class WeakLRU(Generic[V]):
 
     @staticmethod
     def key(objects: tuple[Any, ...], extra: Hashable = None) -> Hashable:
-        return (tuple(id(o) for o in objects), extra)
+        return (tuple(map(id, objects)), extra)
 
     def get(self, objects: tuple[Any, ...], extra: Hashable = None) -> V | None:
         """The value stored for these objects (and ``extra``), or ``None``; marks it recently used."""
-        key = self.key(objects, extra)
+        # on the hot path of every unprepared operator: no lock for a lookup (one dict
+        # access is atomic), and recency only matters when the cache is bounded
+        key = (tuple(map(id, objects)), extra)
         entry = self._entries.get(key)
         if entry is None:
             return None
         if self.maxsize is not None:
-            with self._lock:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+            try:
+                self._entries.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile
+                pass
         return entry.value
 
     def put(self, objects: tuple[Any, ...], value: V, extra: Hashable = None) -> V:

@@ -22,7 +22,8 @@ def _leaf_to_numpy(a: Any) -> Any:
 
     owner = backend_for(a)  # the adapter of a's library knows how (torch detaches, ...)
     if owner is not None:
-        return owner.to_numpy(a)
+        # arrays and variables; a model (an nn.Module) is left as it is, like any other object
+        return owner.to_numpy(a) if owner.is_native(a) or owner.is_variable(a) else a
     if isinstance(a, np.ndarray) or hasattr(a, "__array__") or (hasattr(a, "shape") and hasattr(a, "dtype")):
         return np.asarray(a)
     return a  # ints, strings and other static leaves are left as they are

@@ -10,6 +10,7 @@ native route (jax's jitted ``value_and_grad``, ``torch.func.hessian``...).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -79,7 +80,7 @@ class DerivedOperators(AdapterHooks):
         per flat function; adapters override it to hoist per-call work (cache lookups,
         dtype scopes, compilation) out of the loop.
         """
-        return lambda xs, data: self.flat_value_and_gradient(fn, xs, data)
+        return functools.partial(self.flat_value_and_gradient, fn)
 
     def flat_value_and_pullback_any(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         """The pullback from the reverse primitive, or from the Jacobian in forward mode only."""

@@ -262,11 +262,14 @@ class Params:
         if isinstance(obj, Params):
             obj = list(obj)
         leaves, _ = optree.tree_flatten(obj, is_leaf=is_variable_or_model)
+        models: set[int] = set()
         for n, leaf in enumerate(leaves):
             found = model_variables(leaf)
             if found is not None:
                 vs, frozen = found
-                self.frozen += frozen
+                if id(leaf) not in models:  # the same model twice: its frozen ones count once
+                    models.add(id(leaf))
+                    self.frozen += frozen
                 where = type(leaf).__name__
             elif _is_static(leaf):
                 continue

@@ -74,13 +74,10 @@ class ValueAndGradientPrep(Preparation):
     def setup(self, xs: list, data: list) -> None:
         self._run = self.backend.flat_prepare_value_and_gradient(self.fn, xs, data)
 
-    def value_aux_gradient(self, xs: list, data: list) -> tuple[Any, Any, Any]:
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
         y, aux, grads = self._run(xs, data)
         check_scalar(y)
-        return y, aux, self.fn.unflatten_x(self.backend.complete(grads, xs))
-
-    def run(self, xs: list, data: list, *extra: Any) -> Any:
-        y, aux, g = self.value_aux_gradient(xs, data)
+        g = self.fn.unflatten_x(self.backend.complete(grads, xs))
         return ((y, aux), g) if self.fn.has_aux else (y, g)
 
 
@@ -90,7 +87,9 @@ class GradientPrep(ValueAndGradientPrep):
     operator = "gradient"
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
-        _, aux, g = self.value_aux_gradient(xs, data)
+        y, aux, grads = self._run(xs, data)
+        check_scalar(y)
+        g = self.fn.unflatten_x(self.backend.complete(grads, xs))
         return (g, aux) if self.fn.has_aux else g
 
 

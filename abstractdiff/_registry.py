@@ -33,6 +33,7 @@ class _Entry:
     # top-level modules whose objects the backend handles (default: requires); lets
     # backend_for find it for a leaf before the adapter module is imported
     modules: tuple[str, ...] = ()
+    distribution: str | None = None  # the installed distribution of an entry point
 
     @property
     def handles(self) -> tuple[str, ...]:
@@ -109,8 +110,21 @@ def _load_entry_points() -> None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _registry:
-            _registry[ep.name] = _Entry(ep.value)
+            _registry[ep.name] = _Entry(ep.value, distribution=getattr(getattr(ep, "dist", None), "name", None))
     _OWNERS.clear()
+
+
+_PACKAGE_DISTRIBUTIONS: dict[str, list[str]] | None = None
+
+
+def _distributions_providing(modules: set[str]) -> set[str]:
+    """Installed distributions that ship one of these top-level modules (read once, lazily)."""
+    global _PACKAGE_DISTRIBUTIONS
+    if _PACKAGE_DISTRIBUTIONS is None:
+        from importlib.metadata import packages_distributions
+
+        _PACKAGE_DISTRIBUTIONS = packages_distributions()
+    return {d for m in modules for d in _PACKAGE_DISTRIBUTIONS.get(m, ())}
 
 
 def registered_backends() -> list[str]:
@@ -311,13 +325,26 @@ def _find_owner(obj: Any) -> Backend | None:
     for b in list(_instances.values()):
         if set(type(b).modules) & mods and owns(b, obj):
             return b
-    # 3. entry-point adapters living in the object's own (imported) package
-    for name, entry in list(_registry.items()):
-        target = entry.target
-        if isinstance(target, str) and target.partition(".")[0].partition(":")[0] in mods:
-            b = _quiet_backend(name)
-            if b is not None and set(type(b).modules) & mods and owns(b, obj):
-                return b
+    # 3. entry-point adapters of the object's library, not created yet: named after one of
+    #    its modules, living in its package, or shipped by the distribution that ships it
+    #    (importing the adapter module then imports only a library that is already loaded)
+    candidates = [
+        (name, entry) for name, entry in list(_registry.items())
+        if isinstance(entry.target, str) and entry.distribution is not None
+    ]
+    if not candidates:
+        return None
+    providers: set[str] | None = None
+    for name, entry in candidates:
+        package = entry.target.partition(":")[0].partition(".")[0]
+        if name not in mods and package not in mods:
+            if providers is None:
+                providers = _distributions_providing(mods)
+            if entry.distribution not in providers:
+                continue
+        b = _quiet_backend(name)
+        if b is not None and set(type(b).modules) & mods and owns(b, obj):
+            return b
     return None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Hashable, TypeVar
 
 import numpy as np
@@ -193,6 +194,7 @@ class FlatFunction(HasArtefacts):
         "n_x_leaves",
         "has_aux",
         "_artefacts",
+        "_preparations",
         "__weakref__",
     )
 
@@ -216,6 +218,8 @@ class FlatFunction(HasArtefacts):
         self.n_x_leaves = n_x_leaves
         self.has_aux = has_aux
         self._artefacts: dict[Any, Artefacts] = {}
+        # (backend key, preparation class, input signature) -> Preparation (see Backend.preparation)
+        self._preparations: dict[Any, Any] = {}
 
     @property
     def f(self) -> Callable[..., Any]:
@@ -314,18 +318,30 @@ class PlanCache:
 
     def __init__(self) -> None:
         # function (and owner of a bound method), held weakly -> that function's plans
-        self._functions: WeakLRU[WeakLRU[FlatFunction]] = WeakLRU()
+        self._functions: WeakLRU[OrderedDict[Any, FlatFunction]] = WeakLRU()
+        self._lock = threading.Lock()
 
     def lookup(self, f: Callable[..., Any], key: Any) -> FlatFunction | None:
         plans = self._functions.get(_function_identity(f))
-        return None if plans is None else plans.get((), key)
+        if plans is None:
+            return None
+        fn = plans.get(key)
+        if fn is not None and len(plans) > 1:
+            try:
+                plans.move_to_end(key)
+            except KeyError:  # pushed out by another thread meanwhile
+                pass
+        return fn
 
     def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction) -> None:
         ident = _function_identity(f)
-        plans = self._functions.get(ident)
-        if plans is None:  # not weak-referenceable (a builtin): put() keeps nothing
-            plans = self._functions.put(ident, WeakLRU(self.max_per_function))
-        plans.put((), fn, key)
+        with self._lock:
+            plans = self._functions.get(ident)
+            if plans is None:  # not weak-referenceable (a builtin): put() keeps nothing
+                plans = self._functions.put(ident, OrderedDict())
+            plans[key] = fn
+            while len(plans) > self.max_per_function:
+                plans.popitem(last=False)
 
     def __len__(self) -> int:
         return sum(len(plans) for plans in self._functions.values())

@@ -46,6 +46,7 @@ COLUMN_NAMES = {
     "hessian": "hessian",
     "hvp": "hvp",
     "numpy_inputs": "numpy_in",
+    "prepared": "prepared",
 }
 PARITY_MODULE = "abstractdiff.parity"
 # The stock last line of ParitySummary.format(): replaced by a line that speaks for parity only.

@@ -240,7 +240,7 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------- compilation
     def _forward(self, fn: FlatFn) -> FlatFn:
-        """``fn``, or its ``torch.compile``d twin, cached on ``fn.cache``."""
+        """``fn``, or its ``torch.compile``d twin, cached in ``fn``'s artefacts."""
         if not self.compile or not isinstance(fn, FlatFunction):
             return fn
         store = fn.artefacts(self, "torch.compile")
@@ -277,7 +277,7 @@ class TorchBackend(Backend):
         return forward
 
     def _compiled_callable(self, f: Callable[..., Any]) -> Callable[..., Any] | None:
-        # torch.compile(f) holds f strongly: kept on fn.cache it would keep f alive, and with
+        # torch.compile(f) holds f strongly: kept in fn's artefacts it would keep f alive, and with
         # it the plan cache entry that is meant to die with f.  Dynamo caches compiled code
         # per code object, so a twin function sharing f's code, globals and closure compiles
         # to the same graphs without holding f (or, for a method, its owner).
@@ -426,4 +426,7 @@ class TorchBackend(Backend):
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
-        return list(torch.func.jvp(grad, tuple(xs), tuple(tangents))[1])
+        hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))[1]
+        # torch 2.13's forward-over-reverse promotes a product with a Python float
+        # (0.25 * s * s) to float64 in float32 code: keep the input's dtype
+        return [h if h.dtype == x.dtype else h.to(x.dtype) for h, x in zip(hv, xs)]

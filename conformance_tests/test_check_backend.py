@@ -224,6 +224,24 @@ def test_strict_xfail_table():
     with pytest.raises(pytest.fail.Exception, match="conformance failure"):
         _grid.assert_report(bad)
     xfails = {("finite_differences", "sum_squares[float64]", op): "known" for op in
-              ("gradient", "value_and_gradient", "pullback", "hessian", "hvp", "numpy_inputs")}
+              ("gradient", "value_and_gradient", "pullback", "hessian", "hvp", "numpy_inputs", "prepared")}
     with pytest.raises(pytest.xfail.Exception, match="sum_squares gradient: known"):
         _grid.assert_report(bad, xfails)
+
+
+class DriftingPrepared(FiniteDifferencesBackend):
+    """A prepared gradient 1% off the unprepared one (a stale preparation, say)."""
+
+    def prepare(self, operator, f, x, args=(), **kw):
+        prepared = super().prepare(operator, f, x, args, **kw)
+        if operator != "gradient":
+            return prepared
+        return lambda *a: prepared(*a) * 1.01
+
+
+def test_a_prepared_operator_that_drifts_from_the_unprepared_one_is_reported():
+    report = testing.check_backend(DriftingPrepared(), testing.default_scenarios("float64", ["sum_squares"]))
+    failures = [f for f in report.failures if f.operator == "prepared"]
+    assert failures and all(f.message.startswith("gradient") for f in failures), report
+    assert any("prepared and unprepared must agree" in f.message for f in failures), report
+    assert all(f.operator == "prepared" for f in report.failures)  # the unprepared operators pass

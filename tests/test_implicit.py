@@ -509,3 +509,18 @@ def test_jax_other_box_reused_does_not_retrace_and_replaced_box_is_read():
         state["x"] = ad.Variable(np.arange(3.0) + step)
         gc.collect()
         assert_close(ad.gradient(b, loss, ps)[w], np.arange(3.0) + step, RTOL["float64"])
+
+
+def test_a_model_listed_twice_counts_its_frozen_parameters_once():
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].bias.requires_grad_(False)
+    ps = ad.Params([model, model])
+    assert len(ps) == 3 and ps.frozen == 1 and "1 frozen parameter skipped" in repr(ps)
+
+
+def test_to_numpy_leaves_a_model_alone_and_converts_its_variables():
+    torch = pytest.importorskip("torch")
+    layer = torch.nn.Linear(2, 1)
+    out = ad.to_numpy({"model": layer, "w": layer.weight})
+    assert out["model"] is layer and isinstance(out["w"], np.ndarray) and out["w"].shape == (1, 2)

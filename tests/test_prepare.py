@@ -125,3 +125,117 @@ def test_native_prepared_matches_and_checks(name):
         vg(Pair(p.w.astype(np.float64), p.b), inputs, 2.0)
     with pytest.raises(ad.ShapeMismatchError):
         vg(Pair(b.asarray(np.ones(5, np.float32)), native.b), inputs, 2.0)
+
+
+# ------------------------------------------------------- every operator has a twin
+def cubic(x, a):
+    return anp.sum(a * x**3)
+
+
+PREPARED_CALLS = {
+    # operator: (prepare, call of the prepared operator, the unprepared call)
+    "value_and_pullback": (
+        lambda b, x, a: ad.prepare_value_and_pullback(b, lambda x, a: a * x**2, x, a),
+        lambda p, x, a: p(x, a)[1](np.ones(3)),
+        lambda b, x, a: ad.value_and_pullback(b, lambda x, a: a * x**2, x, a)[1](np.ones(3)),
+    ),
+    "pushforward": (
+        lambda b, x, a: ad.prepare_pushforward(b, lambda x, a: a * x**2, x, a),
+        lambda p, x, a: p(x, a)(np.ones(3)),
+        lambda b, x, a: ad.pushforward(b, lambda x, a: a * x**2, x, a)(np.ones(3)),
+    ),
+    "value_and_pushforward": (
+        lambda b, x, a: ad.prepare_value_and_pushforward(b, lambda x, a: a * x**2, x, a),
+        lambda p, x, a: p(x, a)[1](np.ones(3)),
+        lambda b, x, a: ad.value_and_pushforward(b, lambda x, a: a * x**2, x, a)[1](np.ones(3)),
+    ),
+    "jacobian": (
+        lambda b, x, a: ad.prepare_jacobian(b, lambda x, a: a * x**2, x, a),
+        lambda p, x, a: p(x, a),
+        lambda b, x, a: ad.jacobian(b, lambda x, a: a * x**2, x, a),
+    ),
+    "hessian": (
+        lambda b, x, a: ad.prepare_hessian(b, cubic, x, a),
+        lambda p, x, a: p(x, a),
+        lambda b, x, a: ad.hessian(b, cubic, x, a),
+    ),
+    "hvp": (
+        lambda b, x, a: ad.prepare_hvp(b, cubic, x, np.ones(3), a),
+        lambda p, x, a: p(x, np.arange(3.0), a),
+        lambda b, x, a: ad.hvp(b, cubic, x, np.arange(3.0), a),
+    ),
+}
+
+
+@pytest.mark.parametrize("operator", list(PREPARED_CALLS))
+def test_every_prepared_operator_matches_and_refuses_mismatches(operator):
+    prepare, call, unprepared = PREPARED_CALLS[operator]
+    x, a = np.array([1.0, 2.0, 3.0]), np.array([1.0, 0.5, 2.0])
+    p = prepare(FD, x, a)
+    np.testing.assert_allclose(ad.to_numpy(call(p, x + 1, a)), ad.to_numpy(unprepared(FD, x + 1, a)), rtol=1e-12)
+    with pytest.raises(ad.ShapeMismatchError, match=rf"prepared {operator} was prepared for x leaf 0"):
+        call(p, np.ones(4), a)
+    with pytest.raises(ad.ShapeMismatchError, match="float32"):
+        call(p, x.astype(np.float32), a)
+    with pytest.raises(ad.ShapeMismatchError, match="argument leaf 0"):
+        call(p, x, a[:2])
+
+
+def test_prepared_derivative_and_its_checks():
+    d = ad.prepare_derivative(FD, lambda t, k: np.sin(k * t), 0.5, 2)
+    assert float(d(0.25, 2)) == pytest.approx(2 * np.cos(0.5), rel=1e-9)
+    with pytest.raises(ad.ShapeMismatchError, match="static argument leaf 0"):
+        d(0.25, 3)
+    with pytest.raises(ad.ShapeMismatchError, match="derivative needs a scalar x"):
+        ad.prepare_derivative(FD, lambda t: t * 2, np.ones(2))(np.ones(2))
+
+
+def test_prepared_hvp_checks_v_on_every_call():
+    h = ad.prepare_hvp(FD, cubic, np.ones(3), np.ones(3), np.ones(3))
+    with pytest.raises(ad.ShapeMismatchError, match="v leaf"):
+        h(np.ones(3), np.ones(2), np.ones(3))
+
+
+def test_unprepared_operators_reuse_one_preparation_per_signature():
+    b = type(ad.backend(FD))()
+    x = np.array([1.0, 2.0])
+    for _ in range(3):
+        b.jacobian(lambda x: x**2, x)
+        ad.jacobian(b, cubic, x, x)
+    (fn,) = [fn for plans in b._plans._functions.values() for fn in plans.values() if fn.f is cubic]
+    assert len(fn._preparations) == 1
+    ad.jacobian(b, cubic, x.astype(np.float32), x)  # a new signature: a new preparation
+    assert len(fn._preparations) == 2
+
+
+def test_prepare_refuses_an_unknown_operator():
+    with pytest.raises(ValueError, match="unknown operator 'grad'"):
+        ad.backend(FD).prepare("grad", cubic, np.ones(2), (np.ones(2),))
+
+
+# ------------------------------------------------------------ implicit mode
+def test_prepared_implicit_operators():
+    w = ad.Variable(np.array([1.0, -2.0]))
+    b = ad.Implicit(FD)
+    f = lambda a: anp.sum(a * w.value**2)  # noqa: E731
+    ps = ad.Params([w])
+    vg = ad.prepare_value_and_gradient(b, f, ps, np.array([3.0, 4.0]))
+    y, gs = vg(ad.Params([w]), np.array([3.0, 4.0]))  # the same variables in a new Params
+    assert float(y) == pytest.approx(19.0) and np.allclose(gs[w], [6.0, -16.0])
+    np.testing.assert_allclose(ad.prepare_gradient(b, f, ps, np.ones(2))(ps, np.ones(2))[w], [2.0, -4.0])
+    y, vjp = ad.prepare_pullback(b, lambda: w.value * 3, ps)(ps)
+    np.testing.assert_allclose(vjp(np.ones(2))[w], [3.0, 3.0])
+    with pytest.raises(ad.ShapeMismatchError, match="other variables"):
+        vg(ad.Params([ad.Variable(np.ones(2))]), np.ones(2))
+    with pytest.raises(ad.ShapeMismatchError, match="argument leaf 0"):
+        vg(ps, np.ones(3))
+    w.value = np.ones(2)  # same shape: accepted, and the new value is used
+    np.testing.assert_allclose(vg(ps, np.ones(2))[1][w], [2.0, 2.0], rtol=1e-9)
+
+
+def test_prepared_implicit_refuses_explicit_only_operators():
+    w = ad.Variable(np.ones(2))
+    with pytest.raises(ad.ModeMismatchError, match="jacobian is not available in implicit mode"):
+        ad.prepare_jacobian(ad.Implicit(FD), lambda: w.value, ad.Params([w]))
+    with pytest.raises(ad.ModeMismatchError, match="ad.Params"):
+        ad.prepare_gradient(ad.Implicit(FD), lambda: w.value.sum(), np.ones(2))

@@ -149,6 +149,18 @@ class Array:
         """The same values (shared), recording nothing."""
         return Array._wrap(self.data)
 
+    def requires_grad_(self, flag: bool = True) -> Array:
+        """Mark this array as a leaf to differentiate with respect to; returns it."""
+        if flag and not _is_float(self.dtype):
+            raise TypeError(f"only float arrays can require grad, not {self.dtype}")
+        self.requires_grad = bool(flag)
+        return self
+
+    def view(self) -> Array:
+        """The same values as a new node of the graph, connected to this one (an identity
+        operation): a distinct input to differentiate with respect to."""
+        return record(self.data, (self, lambda g: g))
+
     def __repr__(self) -> str:
         body = np.array2string(self.data, separator=", ", prefix="minitape.Array(")
         flag = ", requires_grad=True" if self.requires_grad else ""

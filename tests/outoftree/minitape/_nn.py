@@ -42,6 +42,12 @@ class Parameter:
             )
         self._value = new.detach()
 
+    def swap(self, value: Array) -> Array:
+        """Hold ``value`` as it is (a recorded array too: differentiation then sees every
+        read of the parameter), without checks; return the previous value."""
+        old, self._value = self._value, value
+        return old
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self._value.shape
