@@ -15,17 +15,21 @@ from ._backend import Backend
 from ._convert import to_numpy
 from ._errors import (
     AbstractDiffError,
+    ArgumentTypeError,
     BackendUnavailableError,
     CheckpointError,
     DeviceError,
+    InvalidArgumentError,
     InvalidOutputError,
     ModeMismatchError,
     NonDifferentiableInputError,
     NonFiniteError,
+    NonFiniteInputError,
     NonScalarOutputError,
     ShapeMismatchError,
     TracedControlFlowError,
     UnknownBackendError,
+    UnknownVariableError,
 )
 from ._operators import (
     derivative,
@@ -40,6 +44,7 @@ from ._operators import (
     value_and_pushforward,
 )
 from ._registry import available_backends, backend, register_backend, registered_backends
+from ._tree import register_pytree_node
 
 __version__ = "0.1.0"
 
@@ -86,6 +91,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AbstractDiffError",
+    "ArgumentTypeError",
+    "InvalidArgumentError",
+    "UnknownVariableError",
     "Grads",
     "Implicit",
     "Params",
@@ -116,6 +124,7 @@ __all__ = [
     "ModeMismatchError",
     "NonDifferentiableInputError",
     "NonFiniteError",
+    "NonFiniteInputError",
     "NonScalarOutputError",
     "ShapeMismatchError",
     "TracedControlFlowError",
@@ -130,6 +139,7 @@ __all__ = [
     "pullback",
     "pushforward",
     "register_backend",
+    "register_pytree_node",
     "registered_backends",
     "to_numpy",
     "value_and_gradient",

@@ -23,9 +23,23 @@ import optree
 
 from ._arrays import check_scalar, dtype_name, shape_of, size_of
 from ._derived import DerivedOperators, GradientDotTangent, GradientFunction
-from ._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from ._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+    ShapeMismatchError,
+)
 from ._prepare import PREPARATIONS, PREPARED, Preparation, Prepared, PreparedHvp
-from ._tree import FlatFunction, PyTree, flatten_call, is_array
+from ._tree import (
+    BASIC_STATIC,
+    FlatFunction,
+    PyTree,
+    flatten_call,
+    foreign_container,
+    is_array,
+    unflattened_container_error,
+)
 
 __all__ = ["Backend", "GradientDotTangent", "GradientFunction", "check_scalar", "dtype_name", "shape_of", "size_of"]
 
@@ -102,8 +116,8 @@ class Backend(DerivedOperators):
                 f"themselves as x to differentiate explicitly"
             )
         if not callable(f):
-            raise TypeError(f"f must be callable, got {type(f).__name__}")
-        fn, xs, data = flatten_call(self._plans, f, x, args, has_aux)
+            raise ArgumentTypeError(f"f must be callable, got {type(f).__name__}")
+        fn, xs, data = flatten_call(self._plans, f, x, args, has_aux, self.reuses_traces, self._check_static)
         if not xs:
             kinds = sorted({type(v).__name__ + (f"[{v.dtype}]" if is_array(v) else "") for v in optree.tree_leaves(x)})
             raise NonDifferentiableInputError(
@@ -114,6 +128,17 @@ class Backend(DerivedOperators):
             )
         asarray = self.asarray
         return fn, [asarray(v) for v in xs], [asarray(v) for v in data]
+
+    def _check_static(self, leaf: Any, where: str) -> None:
+        """A static leaf must not be a container some registry knows and abstractdiff does not
+        (its arrays would silently get no gradient)."""
+        if isinstance(leaf, BASIC_STATIC):
+            return
+        registry = foreign_container(leaf)
+        if registry is None and self.is_pytree_node(leaf):
+            registry = f"the {self.name} library's own pytree registry"
+        if registry is not None:
+            raise unflattened_container_error(leaf, where, registry)
 
     def cotangent(self, dy: Any, y: Any) -> Any:
         """``dy`` checked against ``y``'s shape and converted to a native array of its dtype."""
@@ -178,7 +203,7 @@ class Backend(DerivedOperators):
         """``operator`` (``"gradient"``, ``"hvp"``...) prepared for ``f`` at inputs shaped like
         ``(x, *args)``; what ``ad.prepare_<operator>`` returns.  ``tangent`` is hvp's ``v``."""
         if operator not in PREPARED:
-            raise ValueError(f"unknown operator {operator!r}; known: {', '.join(sorted(PREPARED))}")
+            raise InvalidArgumentError(f"unknown operator {operator!r}; known: {', '.join(sorted(PREPARED))}")
         if operator == "hvp":
             return PreparedHvp(self, f, x, tangent, args)
         return PREPARED[operator](self, f, x, args, has_aux)

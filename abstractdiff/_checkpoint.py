@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import zipfile
+import time
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import optree
 
 from . import optim
 from ._convert import to_numpy
-from ._errors import CheckpointError
+from ._errors import ArgumentTypeError, CheckpointError
 from ._tree import is_array
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -97,7 +97,7 @@ def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
     """The leaves of ``(state, model)``, the treedef to rebuild them, and whether the
     model holds variables (whose values are then the model's leaves, see ``_model_variables``)."""
     if not isinstance(state, optim.OptState):
-        raise TypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
+        raise ArgumentTypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
     implicit = optim.holds_variables(model)
     paths, values, treedef = optree.tree_flatten_with_path(state)
     leaves = [_Leaf("state/" + _path_str(p), v) for p, v in zip(paths, values)]
@@ -160,7 +160,8 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
     arrays[META] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    _remove_stale_temporaries(directory, os.path.basename(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
         # "xb": a fresh file, created with the user's umask (unlike mkstemp's 0600).
         with open(tmp, "xb") as f:
@@ -174,16 +175,84 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
         raise
 
 
+_ZIP_MAGIC = b"PK\x03\x04"
+_NPY_MAGIC = b"\x93NUMPY"
+_PICKLE_MAGIC = b"\x80"  # protocol 2 and newer
+
+
+#: A temporary file of a save with no process id in its name (written by an older
+#: version) counts as abandoned after this many seconds.
+STALE_AFTER = 3600.0
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Delete the temporary files that killed saves of ``name`` left behind.
+
+    A save writes ``.{name}.{pid}.{token}.tmp`` and renames it; one killed before the
+    rename leaves it.  A temporary whose process no longer runs is abandoned (one of a
+    running process, another save in progress, is left alone).
+    """
+    prefix, suffix = f".{name}.", ".tmp"
+    try:
+        candidates = [e for e in os.scandir(directory) if e.name.startswith(prefix) and e.name.endswith(suffix)]
+    except OSError:
+        return
+    now = time.time()
+    for entry in candidates:
+        middle = entry.name[len(prefix): -len(suffix)].split(".")
+        try:
+            if len(middle) == 2 and middle[0].isdigit():
+                if _process_running(int(middle[0])):
+                    continue
+            elif now - entry.stat().st_mtime < STALE_AFTER:
+                continue
+            os.unlink(entry.path)
+        except OSError:  # removed by another process meanwhile, or not ours to remove
+            pass
+
+
+def _process_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but belongs to someone else
+        return True
+    return True
+
+
 def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Metadata and every array of the file, read fully (so truncation shows up here)."""
+    """Metadata and every array of the file, read fully (so truncation shows up here).
+
+    Anything wrong with the file is a :class:`CheckpointError` naming the file: numpy and
+    zipfile raise many kinds of errors for damaged archives (ValueError, OSError,
+    NotImplementedError for an unknown compression method, AttributeError...).
+    """
+    with open(path, "rb") as f:  # FileNotFoundError and PermissionError reach the caller as they are
+        magic = f.read(len(_NPY_MAGIC))
+    if magic.startswith(_PICKLE_MAGIC):
+        raise CheckpointError(
+            f"{path}: a pickled file, not an abstractdiff checkpoint; pickled files are refused, by design "
+            f"(loading one can run arbitrary code)"
+        )
+    if magic.startswith(_NPY_MAGIC):
+        raise CheckpointError(f"{path}: a single .npy array, not an abstractdiff checkpoint (.npz written by "
+                              f"ad.save_checkpoint)")
+    if not magic.startswith(_ZIP_MAGIC):
+        # np.load would call anything without a numpy or zip signature "pickled data"
+        raise CheckpointError(
+            f"{path}: not an abstractdiff checkpoint: it is not a .npz (zip) archive"
+            + (" (it is empty)" if not magic else "")
+            + "; checkpoints are written by ad.save_checkpoint"
+        )
     try:
         loaded = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+    except Exception as err:  # noqa: BLE001  every way a damaged archive fails to open
         raise CheckpointError(
-            f"{path}: not a readable abstractdiff checkpoint ({err}); it may be truncated, or not "
-            f"written by ad.save_checkpoint (pickled files are refused, by design)"
+            f"{path}: not a readable abstractdiff checkpoint ({type(err).__name__}: {err}); it may be "
+            f"truncated or corrupt (pickled content is refused, by design)"
         ) from err
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise CheckpointError(f"{path}: a single .npy array, not an abstractdiff checkpoint (.npz written by "
@@ -191,11 +260,13 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     with loaded:
         try:
             arrays = {name: loaded[name] for name in loaded.files}
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
+        except Exception as err:  # noqa: BLE001  every way a damaged member fails to read
             raise CheckpointError(
-                f"{path}: an entry cannot be read ({err}); the file is truncated or corrupt, or holds "
-                f"pickled objects, which are refused"
+                f"{path}: an entry cannot be read ({type(err).__name__}: {err}); the file is truncated or "
+                f"corrupt, or holds pickled objects, which are refused"
             ) from err
+    if not all(isinstance(a, np.ndarray) for a in arrays.values()):
+        raise CheckpointError(f"{path}: an entry is not an array; the file is corrupt")
     raw = arrays.pop(META, None)
     if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
         raise CheckpointError(f"{path}: no abstractdiff metadata; this .npz was not written by ad.save_checkpoint")
@@ -255,7 +326,7 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
         abstractdiff._errors.CheckpointError: ... does not match like: ...
     """
     if not (isinstance(like, tuple) and len(like) == 2):
-        raise TypeError("load_checkpoint: like must be the pair (state, model) to restore into")
+        raise ArgumentTypeError("load_checkpoint: like must be the pair (state, model) to restore into")
     path = os.fspath(path)
     leaves, treedef, implicit = _leaves(*like)
     meta, arrays = _read_file(path)
@@ -295,7 +366,16 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
                     path, f"{leaf.where} is a {entry.get('type')} in the file but a {expected['type']} in like"
                 )
             # Python scalars (the step counter) come from the file; objects (the rule) from like.
-            new_values.append(entry.get("value") if kind == "value" else leaf.value)
+            if kind == "value":
+                value = entry.get("value")
+                if type(value) is not type(leaf.value):  # json: bool is not int, int is not float
+                    raise CheckpointError(
+                        f"{path}: the value of {leaf.where} is {value!r}, not a {expected['type']}; the "
+                        f"metadata is corrupt"
+                    )
+                new_values.append(value)
+            else:
+                new_values.append(leaf.value)
     # Everything matched: convert all, then assign, so a failure cannot half-load.
     converted = [_to_like(v, leaf.value) if isinstance(v, np.ndarray) else v for v, leaf in zip(new_values, leaves)]
     n_state = treedef.num_leaves

@@ -11,6 +11,9 @@ from typing import Any
 
 __all__ = [
     "AbstractDiffError",
+    "ArgumentTypeError",
+    "InvalidArgumentError",
+    "UnknownVariableError",
     "BackendUnavailableError",
     "CheckpointError",
     "DeviceError",
@@ -18,6 +21,7 @@ __all__ = [
     "ModeMismatchError",
     "NonDifferentiableInputError",
     "NonFiniteError",
+    "NonFiniteInputError",
     "NonScalarOutputError",
     "ShapeMismatchError",
     "TracedControlFlowError",
@@ -27,6 +31,22 @@ __all__ = [
 
 class AbstractDiffError(Exception):
     """Base class of every error raised by abstractdiff."""
+
+
+class InvalidArgumentError(AbstractDiffError, ValueError):
+    """An argument or option has a value abstractdiff cannot use (a negative learning rate,
+    an unknown operator name, a finite-differences step too small for the dtype...)."""
+
+
+class ArgumentTypeError(AbstractDiffError, TypeError):
+    """An argument has the wrong type (``f`` not callable, a state that is not an ``OptState``...)."""
+
+
+class UnknownVariableError(AbstractDiffError, KeyError):
+    """``ad.Grads`` was asked for a variable that is not one of its parameters."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class UnknownBackendError(AbstractDiffError, ValueError):
@@ -67,6 +87,10 @@ class TracedControlFlowError(AbstractDiffError, TypeError):
 
 class CheckpointError(AbstractDiffError, ValueError):
     """A checkpoint file is truncated, unsafe, or does not match the expected structure."""
+
+
+class NonFiniteInputError(AbstractDiffError, ValueError):
+    """``x`` holds NaN or inf where the backend cannot differentiate (finite differences)."""
 
 
 class NonFiniteError(AbstractDiffError, FloatingPointError):

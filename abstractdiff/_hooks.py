@@ -30,7 +30,7 @@ FlatFn = Callable[[list, list], tuple]
 
 #: Every hook an adapter may implement, by group, in the order the adapter guide lists them.
 HOOKS: dict[str, tuple[str, ...]] = {
-    "traits": ("name", "extra", "modules", "approximate", "implicit"),
+    "traits": ("name", "extra", "modules", "approximate", "implicit", "reuses_traces"),
     "primitives": ("flat_value_and_pullback", "flat_value_and_pushforward"),
     "fast routes": (
         "flat_value_and_gradient",
@@ -39,8 +39,11 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "flat_hessian",
         "flat_hvp",
     ),
-    "arrays": ("is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "scope"),
+    "arrays": (
+        "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",
+    ),
     "devices": ("devices", "normalise_device"),
+    "pytrees": ("is_pytree_node",),
     "variables": (
         "is_variable",
         "check_variable",
@@ -78,6 +81,10 @@ class AdapterHooks:
     approximate: ClassVar[bool] = False
     #: Whether the backend differentiates ``ad.Params`` (implicit mode) rather than arrays.
     implicit: ClassVar[bool] = False
+    #: Whether the backend traces ``f`` once and reuses the trace (``jit``, ``tf.function``):
+    #: values ``f`` reads by closure or global are then frozen into the trace, so the core
+    #: keys its plans on them too (a property where it depends on an option such as ``compile``).
+    reuses_traces: ClassVar[bool] = False
 
     def __init__(self, *, device: str | None = None, **options: Any):
         self.device = self.normalise_device(device)
@@ -170,12 +177,30 @@ class AdapterHooks:
         """Numpy ``a`` as an array of this library on the device of ``like`` (checkpoints)."""
         return self.from_numpy(a)
 
+    def snapshot(self, a: Any) -> Any:
+        """``a`` as it is now, safe from later in-place changes to the caller's memory.
+
+        A pullback or pushforward is a function of the point it was made at; it may run
+        long after the call, when the caller has written into the array it passed (and
+        numpy inputs often share memory with the native arrays made from them).  Immutable
+        arrays (jax, TensorFlow) return themselves; mutable ones a copy (torch's ``clone``
+        keeps the autodiff graph of nested use).
+        """
+        return a.copy() if isinstance(a, np.ndarray) else a
+
     def scope(self, arrays: Sequence[Any]) -> ContextManager[Any]:
         """A context for arithmetic on ``arrays`` outside the operators (the optimisers).
 
         jax needs its scoped x64 mode there, or float64 arrays silently become float32.
         """
         return contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- pytrees
+    def is_pytree_node(self, obj: Any) -> bool:
+        """Whether ``obj`` is a container in the library's own pytree registry (jax.tree_util),
+        which abstractdiff does not flatten: the core then refuses it rather than treating its
+        arrays as static data (register such classes with ``ad.register_pytree_node``)."""
+        return False
 
     # -------------------------------------------------- variables (implicit mode)
     def is_variable(self, v: Any) -> bool:

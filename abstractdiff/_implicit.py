@@ -30,9 +30,15 @@ from typing import Any
 import numpy as np
 import optree
 
-from ._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from ._errors import (
+    ArgumentTypeError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+    ShapeMismatchError,
+    UnknownVariableError,
+)
 from ._registry import backend_for
-from ._tree import is_array, is_float_dtype
+from ._tree import is_array, is_float_dtype, register_pytree_node
 
 __all__ = ["BOXES", "Grads", "Params", "Variable", "current_values", "variable_owner", "variables"]
 
@@ -109,7 +115,7 @@ class Variable:
                 if old == "float64" and got == "float32"
                 else ""
             )
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"cannot assign a {got} array to {self._label()}, which holds {old}; cast the new value to {old}{hint}"
             )
         self._value = new
@@ -363,7 +369,7 @@ class Grads(Mapping):
         i = self._index.get(id(p))
         if i is None:
             what = type(p).__name__ + (f" of shape {_shape(p)}" if is_array(p) else "")
-            raise KeyError(
+            raise UnknownVariableError(
                 f"this {what} is not one of the {len(self._params)} parameters of the Params that were "
                 f"differentiated (parameters are looked up by identity: pass the variable object itself, "
                 f"not a copy or its value)"
@@ -404,24 +410,7 @@ def _unflatten_grads(meta: _Identity, values: Any) -> Grads:
     return Grads(list(meta.params), list(values))
 
 
-def _register_grads() -> None:
-    # Grads must be a node in optree's global namespace, the one plain optree.tree_map and
-    # ad.to_numpy consult.  optree's public register_pytree_node (0.20) accepts only a
-    # non-empty namespace string, which registers in a named namespace that those calls
-    # never see; the global one is reachable only through this private sentinel.  If a
-    # later optree removes or refuses it, Grads is registered under "abstractdiff" and is a
-    # leaf to plain optree calls (which then need namespace="abstractdiff").
-    sentinel = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
-    if sentinel is not None:
-        try:
-            optree.register_pytree_node(Grads, _flatten_grads, _unflatten_grads, namespace=sentinel)
-            return
-        except (TypeError, ValueError):
-            pass
-    optree.register_pytree_node(Grads, _flatten_grads, _unflatten_grads, namespace="abstractdiff")
-
-
-_register_grads()
+register_pytree_node(Grads, _flatten_grads, _unflatten_grads)
 
 
 # ------------------------------------------------------------------ variables

@@ -37,7 +37,13 @@ import optree
 from ._arrays import dtype_name, shape_of
 from ._backend import Backend
 from ._cache import WeakLRU
-from ._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from ._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+    ShapeMismatchError,
+)
 from ._implicit import BOXES, Grads, Params, Variable, _reads
 from ._prepare import PREPARED, Signature
 from ._registry import _lookup
@@ -76,6 +82,11 @@ class _Swapped:
         self._vars = [weakref.ref(v) for v in variables]
         self._extra = [weakref.ref(b) for b in extra]
         self._known = {id(v) for v in variables}
+
+    @property
+    def __abstractdiff_wrapped__(self) -> Any:
+        """The user's ``f``: what a tracing backend fingerprints (see abstractdiff._captures)."""
+        return self._f()
 
     def variables(self) -> tuple[list[Any], list[Variable]]:
         variables = [r() for r in self._vars]
@@ -202,18 +213,22 @@ class Implicit(Backend):
     def __init__(self, inner: str | Backend, **inner_options: Any):
         if isinstance(inner, Backend):
             if inner.implicit:
-                raise TypeError("the inner backend of ad.Implicit must be an explicit backend, not another ad.Implicit")
+                raise ArgumentTypeError(
+                    "the inner backend of ad.Implicit must be an explicit backend, not another ad.Implicit"
+                )
             if inner_options:
-                raise TypeError("options cannot be given with a Backend instance as inner")
+                raise ArgumentTypeError("options cannot be given with a Backend instance as inner")
             self._inner: Backend | None = inner
             self.inner_name = inner.name
         elif isinstance(inner, str):
             _lookup(inner)  # an unknown name fails now, with the list of names
             if inner == "implicit":
-                raise TypeError("the inner backend of ad.Implicit must be an explicit backend, such as 'jax'")
+                raise ArgumentTypeError("the inner backend of ad.Implicit must be an explicit backend, such as 'jax'")
             self._inner, self.inner_name = None, inner
         else:
-            raise TypeError(f"inner must be a backend name (such as 'jax') or a Backend, got {type(inner).__name__}")
+            raise ArgumentTypeError(
+                f"inner must be a backend name (such as 'jax') or a Backend, got {type(inner).__name__}"
+            )
         self._inner_options = inner_options
         self.options = {"inner": inner, **inner_options}
         self._plans = None  # type: ignore[assignment]
@@ -343,7 +358,7 @@ class Implicit(Backend):
     def _checked(self, f: Callable[..., Any], x: Any) -> Params:
         ps = self.params(x)
         if not callable(f):
-            raise TypeError(f"f must be callable, got {type(f).__name__}")
+            raise ArgumentTypeError(f"f must be callable, got {type(f).__name__}")
         return ps
 
     def value_and_gradient(self, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> tuple[Any, Grads]:
@@ -370,7 +385,7 @@ class Implicit(Backend):
         if operator in _EXPLICIT_ONLY:
             _explicit_only(operator)(self)
         if operator not in PREPARED:
-            raise ValueError(f"unknown operator {operator!r}; known: {', '.join(sorted(PREPARED))}")
+            raise InvalidArgumentError(f"unknown operator {operator!r}; known: {', '.join(sorted(PREPARED))}")
         return PreparedImplicit(self, operator, f, self._checked(f, x), args, has_aux)
 
 

@@ -100,6 +100,8 @@ class ValueAndPullbackPrep(Preparation):
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
         b, fn = self.backend, self.fn
+        # the pullback may run after the caller wrote into its arrays: it keeps its own point
+        xs, data = [b.snapshot(x) for x in xs], [b.snapshot(d) for d in data]
         y, _, vjp = b.flat_value_and_pullback_any(fn, xs, data)
 
         def pullback(dy: Any) -> Any:
@@ -125,6 +127,8 @@ class ValueAndPushforwardPrep(Preparation):
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
         b, fn = self.backend, self.fn
+        # the pushforward may run after the caller wrote into its arrays: it keeps its own point
+        xs, data = [b.snapshot(x) for x in xs], [b.snapshot(d) for d in data]
         y, _, jvp = b.flat_value_and_pushforward_any(fn, xs, data)
 
         def pushforward(dx: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._backend import Backend
-from ._errors import BackendUnavailableError, UnknownBackendError
+from ._errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError, UnknownBackendError
 
 __all__ = ["available_backends", "backend", "register_backend", "registered_backends"]
 
@@ -86,15 +86,17 @@ def register_backend(
         'finite_differences'
     """
     if not isinstance(name, str) or not name:
-        raise TypeError(f"backend name must be a non-empty string, got {name!r}")
+        raise ArgumentTypeError(f"backend name must be a non-empty string, got {name!r}")
     if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"factory must be a callable returning a Backend or a 'module:attribute' string, "
             f"got {factory!r}"
         )
     with _lock:
         if name in _registry and not replace:
-            raise ValueError(f"a backend named {name!r} is already registered; pass replace=True to replace it")
+            raise InvalidArgumentError(
+                f"a backend named {name!r} is already registered; pass replace=True to replace it"
+            )
         _registry[name] = _Entry(factory, tuple(requires), runtime=True, modules=tuple(modules))
         for key in [k for k in _instances if k[0] == name]:
             del _instances[key]
@@ -251,10 +253,10 @@ def backend(name: str | Backend, **options: Any) -> Backend:
     """
     if isinstance(name, Backend):
         if options:
-            raise TypeError("options cannot be given with a Backend instance")
+            raise ArgumentTypeError("options cannot be given with a Backend instance")
         return name
     if not isinstance(name, str):
-        raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+        raise ArgumentTypeError(f"backend name must be a string, got {type(name).__name__}")
     entry = _lookup(name)
     try:
         # Option types are part of the key: compile=1 must reach the adapter (and its
@@ -268,7 +270,7 @@ def backend(name: str | Backend, **options: Any) -> Backend:
     factory = _resolve(name, entry)
     instance = factory(**options)
     if not isinstance(instance, Backend):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"the factory registered as {name!r} returned {type(instance).__name__}, not an "
             f"abstractdiff.Backend; subclass abstractdiff.Backend"
         )

@@ -11,13 +11,14 @@ import sys
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple
 
+import numpy as np
 import optree
 
 from . import optim
 from ._backend import Backend
 from ._cache import WeakLRU
 from ._convert import to_numpy
-from ._errors import ModeMismatchError, NonFiniteError
+from ._errors import ArgumentTypeError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
 from ._tree import is_array
 
@@ -74,6 +75,11 @@ class _Bound:
     def __init__(self, loss_fn: Callable[..., Any], model: Any):
         self._loss_fn, self._model = _ref(loss_fn), _ref(model)
 
+    @property
+    def __abstractdiff_wrapped__(self) -> Any:
+        """The user's loss: what a tracing backend fingerprints (see abstractdiff._captures)."""
+        return self._loss_fn()
+
     def __call__(self, *batch: Any) -> Any:
         loss_fn, model = self._loss_fn(), self._model()
         if loss_fn is None or model is None:
@@ -115,7 +121,9 @@ def _all_finite(loss: Any, grads: list) -> bool:
     sum of zeros cannot overflow (unlike a sum of the values themselves)."""
     ar = _ar()
     arrays = [loss, *(g for g in grads if g is not None)]
-    with optim.arithmetic_scope(arrays):
+    # numpy's own overflow/invalid warnings are the point of this check, not news: quiet
+    # them here (np.errstate is local to this block)
+    with optim.arithmetic_scope(arrays), np.errstate(over="ignore", invalid="ignore"):
         # one total per dtype: tensorflow does not add float32 to float64
         totals: dict[str, Any] = {}
         for a in arrays:
@@ -125,11 +133,24 @@ def _all_finite(loss: Any, grads: list) -> bool:
         return all(float(to_numpy(t)) == 0.0 for t in totals.values())
 
 
+def _finite_check(
+    step: int, state: optim.OptState, model: Any, loss: Any, grads: list, holding: str
+) -> Callable[[list], None]:
+    """The check the update runs on the new parameters, before it returns or assigns them:
+    loss, gradients and updated parameters finite, in one synchronisation."""
+
+    def check(new_values: list) -> None:
+        if not _all_finite(loss, [*grads, *new_values]):
+            raise _non_finite(step, state, model, holding)
+
+    return check
+
+
 def _non_finite(step: int, state: optim.OptState, model: Any, holding: str) -> NonFiniteError:
     return NonFiniteError(
-        f"step {step}: the loss or a gradient is not finite (NaN or inf); nothing was applied, "
-        f"{holding} after step {step - 1}. Lower the learning rate, add optim.ClipNorm, or check "
-        f"the data of this batch",
+        f"step {step}: the loss, a gradient or an updated parameter is not finite (NaN or inf); nothing "
+        f"was applied, {holding} after step {step - 1}. Lower the learning rate, add optim.ClipNorm, "
+        f"or check the data of this batch",
         state=state,
         model=model,
         step=step,
@@ -170,7 +191,7 @@ def train_step(
     """
     b = backend if isinstance(backend, Backend) else _get_backend(backend)
     if not isinstance(state, optim.OptState):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"train_step: state must be the OptState from optim.setup(rule, model), got {type(state).__name__}"
         )
     batch = _as_batch(batch)
@@ -184,9 +205,8 @@ def train_step(
             )
         params = optim.params_of(model)
         loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
-        if not _all_finite(loss, [grads[p] for p in params]):
-            raise _non_finite(step, state, model, "the variables hold the values")
-        state, model = optim.update(state, model, grads)
+        check = _finite_check(step, state, model, loss, [grads[p] for p in params], "the variables hold the values")
+        state, model = optim._apply(state, model, grads, check)
         return state, model, loss
     if state.implicit or optim.holds_variables(model):
         raise ModeMismatchError(
@@ -197,9 +217,9 @@ def train_step(
     model = _convert_tree(b, model)
     state = state._replace(tree=_convert_tree(b, state.tree))
     loss, grads = b.value_and_gradient(loss_fn, model, *batch)
-    if not _all_finite(loss, optree.tree_leaves(grads)):
-        raise _non_finite(step, state, model, "the error's .model and .state are the values")
-    state, model = optim.update(state, model, grads)
+    holding = "the error's .model and .state are the values"
+    check = _finite_check(step, state, model, loss, optree.tree_leaves(grads), holding)
+    state, model = optim._apply(state, model, grads, check)
     return state, model, loss
 
 
@@ -275,9 +295,9 @@ def train(
         (20, 20, array([ 1., -1.]))
     """
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
-        raise ValueError(f"train: epochs must be an int >= 0, got {epochs!r}")
+        raise InvalidArgumentError(f"train: epochs must be an int >= 0, got {epochs!r}")
     if epochs > 1 and iter(data) is data:
-        raise TypeError(
+        raise ArgumentTypeError(
             "train: data is a one-shot iterator (e.g. a generator), which would be empty after the "
             "first epoch; pass a list of batches or another re-iterable collection, or call train "
             "once per epoch"

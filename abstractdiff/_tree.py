@@ -24,7 +24,8 @@ import numpy as np
 import optree
 
 from ._cache import WeakLRU
-from ._errors import InvalidOutputError
+from ._captures import captures
+from ._errors import InvalidOutputError, NonDifferentiableInputError
 
 T = TypeVar("T")
 
@@ -195,6 +196,7 @@ class FlatFunction(HasArtefacts):
         "has_aux",
         "_artefacts",
         "_preparations",
+        "_captured",
         "__weakref__",
     )
 
@@ -220,6 +222,23 @@ class FlatFunction(HasArtefacts):
         self._artefacts: dict[Any, Artefacts] = {}
         # (backend key, preparation class, input signature) -> Preparation (see Backend.preparation)
         self._preparations: dict[Any, Any] = {}
+        # objects f reads that its plan key names by identity (see abstractdiff._captures)
+        self._captured: list[Callable[[], Any]] = []
+
+    def hold_captured(self, objects: list[Any]) -> None:
+        """Remember the objects the plan key names by identity: weakly where possible (a
+        dead one invalidates the plan, see :meth:`captured_alive`), else strongly."""
+        refs = []
+        for obj in objects:
+            try:
+                refs.append(weakref.ref(obj))
+            except TypeError:
+                refs.append(lambda obj=obj: obj)
+        self._captured = refs
+
+    def captured_alive(self) -> bool:
+        """False once an object named by identity in the plan key died: its id may be reused."""
+        return all(r() is not None for r in self._captured)
 
     @property
     def f(self) -> Callable[..., Any]:
@@ -272,15 +291,124 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return out
 
 
+_COMPLEX_DTYPES: dict[Any, bool] = {}
+
+
+def is_complex_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` (numpy, torch, tensorflow or jax) is a complex type."""
+    try:
+        return _COMPLEX_DTYPES[dtype]
+    except (KeyError, TypeError):
+        pass
+    flag = getattr(dtype, "is_complex", None)  # torch.dtype and tf.DType say it themselves
+    if flag is not None and not callable(flag):
+        result = bool(flag)
+    else:
+        try:
+            result = np.dtype(dtype).kind == "c"
+        except TypeError:
+            result = False
+    try:
+        _COMPLEX_DTYPES[dtype] = result
+    except TypeError:
+        pass
+    return result
+
+
 def check_output(y: Any) -> Any:
-    """``f``'s primary output must be an array or a Python number."""
+    """``f``'s primary output must be a real array or a Python number."""
     if is_array(y):
+        dtype = y.dtype
+        if getattr(dtype, "kind", None) == "O":  # a numpy object array
+            raise InvalidOutputError(
+                "f returned an array of Python objects (dtype object): traced values leaked into a "
+                "numpy call. A function taking a list (concatenate, stack, array) dispatches on its "
+                "first element, so [numpy_data, x] calls numpy and holds x's traced values as objects; "
+                "pass like=x (autoray.do('concatenate', [data, x], like=x)) or convert the numpy data "
+                "with the backend first (b.asarray(data))"
+            )
+        if is_complex_dtype(dtype):
+            raise InvalidOutputError(
+                f"f returned a complex array ({dtype}); abstractdiff differentiates real functions only, "
+                f"and would silently drop the imaginary part: return the real and imaginary parts as "
+                f"separate real outputs (e.g. stack them), or a real function of them such as abs(y)**2"
+            )
         return y
     if isinstance(y, (int, float)) and not isinstance(y, bool):
         return np.asarray(y, dtype=np.float64)
+    if isinstance(y, complex):
+        raise InvalidOutputError(
+            "f returned a Python complex number; abstractdiff differentiates real functions only: "
+            "return the real and imaginary parts separately"
+        )
     raise InvalidOutputError(
         f"f must return an array (or a Python number), but it returned a "
         f"{type(y).__name__}; return one array, e.g. stack or sum the values"
+    )
+
+
+# ------------------------------------------------------------- custom pytree nodes
+def register_pytree_node(
+    cls: type, flatten: Callable[[Any], tuple], unflatten: Callable[[Any, Any], Any]
+) -> type:
+    """Register ``cls`` as a pytree node, so that abstractdiff differentiates the arrays inside it.
+
+    ``register_pytree_node(cls, flatten, unflatten) -> cls`` with optree's convention:
+    ``flatten(obj) -> (children, metadata)`` (or ``(children, metadata, entries)``) and
+    ``unflatten(metadata, children) -> obj``.  Without it, an object of a class that
+    abstractdiff does not know is a static leaf (data, no gradient), and one registered
+    only with another registry (``jax.tree_util``, an optree namespace of your own) is
+    refused with an error rather than silently left without a gradient.
+
+    The node goes in optree's global registry, the one plain ``optree`` calls consult
+    (optree's public function only accepts a named namespace; the global one is reached
+    through its documented sentinel, with the ``"abstractdiff"`` namespace as a fallback
+    if a later optree refuses it).
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> class Pair:
+        ...     def __init__(self, w, b):
+        ...         self.w, self.b = w, b
+        >>> _ = ad.register_pytree_node(Pair, lambda p: ((p.w, p.b), None), lambda _, c: Pair(*c))
+        >>> g = ad.gradient("finite_differences", lambda p: (p.w**2).sum() + p.b, Pair(np.ones(2), 3.0))
+        >>> np.round(g.w, 6), round(float(g.b), 6)
+        (array([2., 2.]), 1.0)
+    """
+    sentinel = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
+    if sentinel is not None:
+        try:
+            optree.register_pytree_node(cls, flatten, unflatten, namespace=sentinel)
+            return cls
+        except (TypeError, ValueError):
+            pass
+    optree.register_pytree_node(cls, flatten, unflatten, namespace="abstractdiff")
+    return cls
+
+
+#: Static leaves that are never containers.
+BASIC_STATIC = (bool, int, float, str, bytes, complex, type(None), np.generic)
+
+
+def foreign_container(leaf: Any) -> str | None:
+    """Where ``leaf`` is registered as a pytree node that abstractdiff's flattening does not see
+    (an optree namespace of its own), or ``None``."""
+    if isinstance(leaf, BASIC_STATIC):
+        return None
+    # optree's registry of namespaced nodes; private, so only consulted, never relied on
+    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", {})
+    for key in list(registry):
+        if isinstance(key, tuple) and len(key) == 2 and key[1] is type(leaf):
+            return f"the optree namespace {key[0]!r}"
+    return None
+
+
+def unflattened_container_error(leaf: Any, where: str, registry: str) -> NonDifferentiableInputError:
+    return NonDifferentiableInputError(
+        f"{where} is a {type(leaf).__name__} registered as a pytree node in {registry}, "
+        f"which abstractdiff does not flatten: its arrays would be treated as static data and get no "
+        f"gradient. Register the class for abstractdiff with ad.register_pytree_node(cls, flatten, "
+        f"unflatten), or pass its arrays as a dict or tuple"
     )
 
 
@@ -356,8 +484,16 @@ def flatten_call(
     x: PyTree,
     args: tuple[Any, ...],
     has_aux: bool,
+    track_captures: bool = False,
+    check_static: Callable[[Any, str], None] | None = None,
 ) -> tuple[FlatFunction, list[Any], list[Any]]:
-    """Split ``f(x, *args)`` into a (cached) flat function and its leaf lists."""
+    """Split ``f(x, *args)`` into a (cached) flat function and its leaf lists.
+
+    With ``track_captures`` (a backend that traces ``f`` once and reuses the trace), the
+    plan is also keyed on the values ``f`` reads from globals and closures
+    (:func:`abstractdiff._captures.captures`): a changed value gets a new plan.
+    ``check_static(leaf, where)`` may refuse a static leaf (it runs when a plan is built).
+    """
     x_leaves, x_treedef = optree.tree_flatten(x)
     a_leaves, a_treedef = optree.tree_flatten(args)
     diff_index = []
@@ -379,14 +515,25 @@ def flatten_call(
         else:
             static.append((n + j, _static_key(leaf)))
     key = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
+    alive: list[Any] = []
+    if track_captures:
+        captured, alive = captures(f)
+        key += (captured,)
     leaves = x_leaves + a_leaves
     fn = cache.lookup(f, key) if cache is not None else None
+    if fn is not None and alive and not fn.captured_alive():
+        fn = None  # an object it named by identity died, and its id is now another's
     if fn is None:
+        if check_static is not None:
+            for i, _ in static:
+                check_static(leaves[i], f"x leaf {i}" if i < n else f"argument leaf {i - n}")
         dynamic = set(diff_index) | set(data_index)
         template = [None if i in dynamic else leaf for i, leaf in enumerate(leaves)]
         fn = FlatFunction(
             f, x_treedef, a_treedef, template, tuple(diff_index), tuple(data_index), n, has_aux
         )
+        if alive:
+            fn.hold_captured(alive)
         if cache is not None:
             cache.store(f, key, fn)
     xs = [leaves[i] for i in diff_index]

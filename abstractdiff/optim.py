@@ -25,12 +25,18 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import optree
 
-from ._errors import ModeMismatchError, NonDifferentiableInputError, ShapeMismatchError
+from ._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+    ShapeMismatchError,
+)
 from ._tree import is_array, is_float_leaf
 
 __all__ = [
@@ -58,7 +64,7 @@ def _ar() -> Any:
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise InvalidArgumentError(message)
 
 
 def _is_number(v: Any) -> bool:
@@ -368,7 +374,7 @@ class Chain(Rule):
     def __post_init__(self) -> None:
         for r in self.rules:
             if not isinstance(r, Rule):
-                raise TypeError(f"chain: every element must be an optim rule, got {type(r).__name__}")
+                raise ArgumentTypeError(f"chain: every element must be an optim rule, got {type(r).__name__}")
 
     def init(self, x: Any) -> tuple:
         return tuple(r.init(x) for r in self.rules)
@@ -520,7 +526,7 @@ def setup(rule: Rule, model: Any) -> OptState:
         (array([0.9, 0.9]), 1)
     """
     if not isinstance(rule, Rule):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"setup(rule, model): rule must be an optim rule such as optim.Adam(), got {type(rule).__name__}"
         )
     if holds_variables(model):
@@ -556,8 +562,17 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
         >>> new, model["w"], state.step                            # pure: model is unchanged
         ({'w': array([0.5, 1.5]), 'n': 3}, array([1., 2.]), 1)
     """
+    return _apply(state, model, grads)
+
+
+def _apply(
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None = None
+) -> tuple[OptState, Any]:
+    """:func:`update`, with ``check(new_values)`` called on the new parameter values after they
+    are computed and before anything is returned or assigned: it may raise, and then the
+    model (variables included) and the state are left exactly as they were."""
     if not isinstance(state, OptState):
-        raise TypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
+        raise ArgumentTypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
     if _is_grads(grads) or state.implicit:
         if not (_is_grads(grads) and state.implicit):
             raise ModeMismatchError(
@@ -566,11 +581,13 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
                 + f" but got {'ad.Grads' if _is_grads(grads) else 'a pytree of gradients'}; set the state up "
                 "with optim.setup(rule, model) on the same kind of model the gradients come from"
             )
-        return _update_implicit(state, model, grads)
-    return _update_explicit(state, model, grads)
+        return _update_implicit(state, model, grads, check)
+    return _update_explicit(state, model, grads, check)
 
 
-def _update_explicit(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
+def _update_explicit(
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
+) -> tuple[OptState, Any]:
     leaves, treedef = optree.tree_flatten(model)
     try:
         g_leaves = treedef.flatten_up_to(grads)
@@ -598,13 +615,17 @@ def _update_explicit(state: OptState, model: Any, grads: Any) -> tuple[OptState,
             s, delta = rule.apply(s, x, g)
             new_leaves.append(x - delta)
             new_states.append(s)
+        if check is not None:
+            check([v for v, x in zip(new_leaves, leaves) if v is not x])
     return (
         OptState(rule, state.step + 1, optree.tree_unflatten(treedef, new_states), False),
         optree.tree_unflatten(treedef, new_leaves),
     )
 
 
-def _update_implicit(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
+def _update_implicit(
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
+) -> tuple[OptState, Any]:
     params = list(params_of(model))
     if len(params) != len(state.tree):
         raise ShapeMismatchError(
@@ -627,6 +648,8 @@ def _update_implicit(state: OptState, model: Any, grads: Any) -> tuple[OptState,
             s, delta = rule.apply(s, x, g)
             new_values.append(x - delta)
             new_states.append(s)
+        if check is not None:
+            check([v for v in new_values if v is not None])
         for v, value in zip(params, new_values):
             if value is not None:
                 write(v, value)

@@ -19,7 +19,7 @@ from autograd.numpy.numpy_boxes import ArrayBox
 from autograd.tracer import Box
 
 from abstractdiff._backend import Backend, check_scalar, shape_of, size_of
-from abstractdiff._errors import DeviceError
+from abstractdiff._errors import ArgumentTypeError, DeviceError
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -95,8 +95,18 @@ def _unpacked(gs: Any, n: int) -> list:
     return [gs] if n == 1 else list(gs)
 
 
-def _primal(y: Any) -> Any:
-    return y if isinstance(y, Box) else np.asarray(y)
+def _primal(y: Any, xs: list) -> Any:
+    """``f``'s value: a nested trace's box as it is, else an array in the inputs' float dtype
+    (numpy 2 promotes float32 arrays with float64 scalars such as ``np.log(2)``, where the
+    other libraries keep float32: the dtype promise holds for values too)."""
+    if isinstance(y, Box):
+        return y
+    y = np.asarray(y)
+    if y.dtype.kind == "f" and xs:
+        dtype = np.result_type(*[x.dtype for x in xs if not isinstance(x, Box)] or [y.dtype])
+        if dtype.kind == "f" and dtype != y.dtype and dtype.itemsize < y.dtype.itemsize:
+            y = y.astype(dtype)
+    return y
 
 
 class AutogradBackend(Backend):
@@ -106,7 +116,7 @@ class AutogradBackend(Backend):
 
     def __init__(self, *, device: str | None = None, **options: Any):
         if options:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"autograd backend got unexpected option(s) {', '.join(map(repr, options))}; its only "
                 f"option is device='cpu' (autograd runs eagerly on the CPU: there is nothing to compile)"
             )
@@ -125,6 +135,9 @@ class AutogradBackend(Backend):
     def is_native(self, a: Any) -> bool:
         return isinstance(a, (np.ndarray, ArrayBox))
 
+    def snapshot(self, a: Any) -> Any:
+        return a.copy() if isinstance(a, np.ndarray) else a  # a traced ArrayBox is never written in place
+
     def to_numpy(self, a: Any) -> np.ndarray:
         while isinstance(a, Box):  # an ArrayBox: unwrap to the primal value
             a = a._value
@@ -134,7 +147,7 @@ class AutogradBackend(Backend):
     def _trace_reverse(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
         traced = _Traced(self, fn, data, len(xs), scalar)
         vjp, y = _run(lambda: make_vjp(traced, _packed(xs)))
-        return _primal(y), traced.aux, vjp
+        return _primal(y, xs), traced.aux, vjp
 
     def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
         y, aux, vjp = self._trace_reverse(fn, xs, data, scalar)
@@ -151,7 +164,7 @@ class AutogradBackend(Backend):
         # tangent is a reverse-of-reverse product (vjp is linear in its cotangent, so
         # the vjp of the vjp is the jvp), as autograd's make_jvp_reversemode does.
         y, aux = _run(lambda: fn(xs, data))
-        y = _primal(y)
+        y = _primal(y, xs)
         state = {"reverse": None}
 
         def pushforward(ts: list) -> Any:

@@ -16,11 +16,23 @@ from typing import Any, Callable
 import numpy as np
 
 from abstractdiff._backend import Backend, GradientFunction, check_scalar
+from abstractdiff._errors import InvalidArgumentError, NonFiniteInputError
 
 # Five-point stencil: f'(x) ~ (8 (f(x+h) - f(x-h)) - (f(x+2h) - f(x-2h))) / (12 h).
 # Differences are taken before weighting so that an input f does not depend on gives
 # exactly zero, not rounding noise.
 _OFFSETS = (-2.0, -1.0, 1.0, 2.0)
+
+
+def _fresh_inputs(fn: Callable) -> Callable:
+    """``fn`` called on copies: an ``f`` that writes into its inputs must neither change the
+    caller's arrays nor move the point of the next evaluation."""
+
+    def call(xs: list, data: list) -> tuple:
+        copy = lambda a: a.copy() if isinstance(a, np.ndarray) else a  # noqa: E731
+        return fn([copy(x) for x in xs], [copy(d) for d in data])
+
+    return call
 
 
 def _stencil(values: list) -> np.ndarray:
@@ -34,30 +46,60 @@ class FiniteDifferencesBackend(Backend):
 
     def __init__(self, *, step: float | None = None, compute_dtype: str | None = None, device: str | None = None):
         if step is not None and not (isinstance(step, (int, float)) and 0 < step < 1):
-            raise ValueError(f"step must be a relative step in (0, 1), e.g. 1e-3, got {step!r}")
+            raise InvalidArgumentError(f"step must be a relative step in (0, 1), e.g. 1e-3, got {step!r}")
         if compute_dtype is not None:
             try:
                 valid = np.dtype(compute_dtype).kind == "f"
             except TypeError:
                 valid = False
             if not valid:
-                raise ValueError(f"compute_dtype must be a float dtype such as 'float64', got {compute_dtype!r}")
+                raise InvalidArgumentError(
+                    f"compute_dtype must be a float dtype such as 'float64', got {compute_dtype!r}"
+                )
             compute_dtype = np.dtype(compute_dtype).name
         super().__init__(device=device, step=step, compute_dtype=compute_dtype)
         self.step = step
         self.compute_dtype = compute_dtype
 
     def _widen(self, xs: list) -> tuple[list, list]:
-        """``xs`` in the compute dtype (when one is set), and the dtypes to return results in."""
+        """``xs`` in the compute dtype (when one is set), and the dtypes to return results in.
+
+        Also refuses what differences cannot handle: a non-finite point (every difference
+        through it is NaN), and a step below what the dtype can resolve.
+        """
         dtypes = [x.dtype for x in xs]
-        if self.compute_dtype is None:
-            return xs, dtypes
-        return [x.astype(np.promote_types(x.dtype, self.compute_dtype)) for x in xs], dtypes
+        for i, x in enumerate(xs):
+            if not np.all(np.isfinite(x)):
+                raise NonFiniteInputError(
+                    f"finite differences cannot differentiate at a point holding NaN or inf (x's float "
+                    f"leaf {i}): every difference through it is NaN, so every derivative would be; exact "
+                    f"AD backends give NaN only where the NaN propagates"
+                )
+        compute = self.compute_dtype
+        if compute is None and not all(np.issubdtype(d, np.inexact) for d in dtypes):
+            compute = "float32"  # bfloat16 (ml_dtypes): numpy has no finfo for it; difference in float32
+        if compute is None:
+            widened = xs
+        else:
+            widened = [x.astype(np.promote_types(x.dtype, compute) if np.issubdtype(x.dtype, np.inexact)
+                                else compute) for x in xs]
+        if self.step is not None:
+            for d in {w.dtype for w in widened}:
+                if self.step < 16 * float(np.finfo(d).eps):
+                    raise InvalidArgumentError(
+                        f"step={self.step!r} is below what {d} can resolve (16 * eps = "
+                        f"{16 * float(np.finfo(d).eps):.1e}): x + h would round back to x and every "
+                        f"derivative would be zero; use a larger step, or compute_dtype='float64'"
+                    )
+        return widened, dtypes
 
     @staticmethod
     def _value_dtype(y: np.ndarray, dtypes: list) -> np.dtype:
         # f's output in the dtype it would have had on the caller's inputs.
         return np.result_type(*dtypes) if y.dtype.kind == "f" and dtypes else y.dtype
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(a)
 
     def is_native(self, a: Any) -> bool:
         return isinstance(a, np.ndarray)
@@ -106,6 +148,7 @@ class FiniteDifferencesBackend(Backend):
         return _stencil(values) / h
 
     def flat_value_and_pullback(self, fn: Callable, xs: list, data: list):
+        fn = _fresh_inputs(fn)
         xs, dtypes = self._widen(xs)
         y, aux = fn(xs, data)
         y = np.asarray(y)
@@ -120,6 +163,7 @@ class FiniteDifferencesBackend(Backend):
         return y.astype(self._value_dtype(y, dtypes)), aux, vjp
 
     def flat_value_and_pushforward(self, fn: Callable, xs: list, data: list):
+        fn = _fresh_inputs(fn)
         xs, dtypes = self._widen(xs)
         y, aux = fn(xs, data)
         y = np.asarray(y)
@@ -131,6 +175,7 @@ class FiniteDifferencesBackend(Backend):
         return y.astype(out), aux, jvp
 
     def flat_value_and_gradient(self, fn: Callable, xs: list, data: list):
+        fn = _fresh_inputs(fn)
         xs, dtypes = self._widen(xs)
         y, aux = fn(xs, data)
         y = np.asarray(y)
@@ -140,6 +185,7 @@ class FiniteDifferencesBackend(Backend):
         return y.astype(self._value_dtype(y, dtypes)), aux, grads
 
     def flat_hessian(self, fn: Callable, xs: list, data: list) -> np.ndarray:
+        fn = _fresh_inputs(fn)
         xs, dtypes = self._widen(xs)
         grad = GradientFunction(self, fn)
         y, _ = grad(xs, data)
@@ -148,6 +194,7 @@ class FiniteDifferencesBackend(Backend):
         return mat.reshape(xs[0].shape + xs[0].shape).astype(dtypes[0])
 
     def flat_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> list:
+        fn = _fresh_inputs(fn)
         xs, dtypes = self._widen(xs)
 
         def gradient_flat(points: list, data: list):
@@ -160,3 +207,29 @@ class FiniteDifferencesBackend(Backend):
             out.append(hv[start : start + x.size].reshape(x.shape).astype(d))
             start += x.size
         return out
+
+
+# ---------------------------------------------------------------------------------------
+# Portable functions: the two short names numpy lacks that the portable-functions table
+# offers on every backend (docs/guide/portable.md), with scipy's semantics.  scipy is
+# imported on first call only: this adapter needs numpy alone.  The autograd adapter
+# registers these too (its functions see the numpy data arrays).
+def _register_portable_functions() -> None:
+    import autoray
+
+    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
+        import scipy.special
+
+        return scipy.special.logsumexp(a, axis=axis, b=b, keepdims=keepdims, return_sign=return_sign)
+
+    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
+        import scipy.linalg
+
+        return scipy.linalg.solve_triangular(a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal,
+                                             overwrite_b=overwrite_b, check_finite=check_finite)
+
+    autoray.register_function("numpy", "logsumexp", logsumexp)
+    autoray.register_function("numpy", "linalg.solve_triangular", solve_triangular)
+
+
+_register_portable_functions()

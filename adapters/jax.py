@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import DeviceError, TracedControlFlowError
+from abstractdiff._errors import ArgumentTypeError, DeviceError, TracedControlFlowError
 from abstractdiff._tree import HasArtefacts
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
@@ -53,7 +53,7 @@ class JaxBackend(Backend):
 
     def __init__(self, *, device: str | None = None, compile: bool = True):
         if not isinstance(compile, bool):
-            raise TypeError(f"compile must be True or False, got {compile!r}")
+            raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
         super().__init__(device=device, compile=compile)
         self.compile = compile
         self._device = self._device_object(self.device)
@@ -61,6 +61,10 @@ class JaxBackend(Backend):
         #: Python executions of user functions under this backend's transforms; a
         #: compiled call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
+
+    @property
+    def reuses_traces(self) -> bool:  # type: ignore[override]
+        return self.compile
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -137,6 +141,10 @@ class JaxBackend(Backend):
         device = next(iter(like.devices())) if hasattr(like, "devices") else self._device
         with self._scope(a.dtype in _WIDE):
             return jax.device_put(a, device)
+
+    def is_pytree_node(self, obj: Any) -> bool:
+        # registered with jax.tree_util: jax flattens it, optree (and so abstractdiff) does not
+        return not jax.tree_util.all_leaves([obj])
 
     def scope(self, arrays: Any) -> Any:
         # arithmetic on float64 jax arrays outside the scope truncates to float32; the scope
@@ -308,3 +316,25 @@ class JaxBackend(Backend):
         compiled = self._compiled(fn, "hvp", x64, build)
         with self._scope(x64):
             return list(compiled(xs, data, list(tangents)))
+
+
+# ---------------------------------------------------------------------------------------
+# Portable functions: autoray translations for numpy/scipy calls that jax.numpy lacks
+# (docs/guide/portable.md, conformance_tests/test_portable.py), from jax.scipy.
+# Registered when this adapter is imported, i.e. when a jax backend is created.
+def _register_portable_functions() -> None:
+    import autoray
+    import jax.scipy.linalg
+    import jax.scipy.special
+
+    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
+        return jax.scipy.special.logsumexp(a, axis=axis, b=b, keepdims=keepdims, return_sign=return_sign)
+
+    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
+        return jax.scipy.linalg.solve_triangular(a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal)
+
+    autoray.register_function("jax", "logsumexp", logsumexp)
+    autoray.register_function("jax", "linalg.solve_triangular", solve_triangular)
+
+
+_register_portable_functions()

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import abstractdiff._operators
 from abstractdiff._backend import OPERATOR_METHODS, Backend, check_scalar
-from abstractdiff._errors import DeviceError, ModeMismatchError, TracedControlFlowError
+from abstractdiff._errors import ArgumentTypeError, DeviceError, ModeMismatchError, TracedControlFlowError
 from abstractdiff._tree import Artefacts, HasArtefacts, check_output, split_aux
 
 _ZERO = tf.UnconnectedGradients.ZERO
@@ -37,9 +37,11 @@ def _signature(*groups: list) -> tuple:
 
 def _traced_value_error(err: BaseException) -> TracedControlFlowError | None:
     """Our error for a tf error that only happens because f is being traced, else None."""
+    # Only errors that tracing causes: f's own mistakes (an AttributeError such as x.sum()
+    # or x.T on a tensor, which fails eagerly too) pass through unchanged.
     message = str(err)
     if isinstance(err, tf.errors.OperatorNotAllowedInGraphError) or (
-        isinstance(err, (TypeError, NotImplementedError, AttributeError))
+        isinstance(err, (TypeError, NotImplementedError))
         and ("SymbolicTensor" in message or "symbolic tf.Tensor" in message)
     ):
         return TracedControlFlowError(
@@ -91,13 +93,17 @@ class TensorFlowBackend(Backend):
 
     def __init__(self, *, device: str | None = None, compile: bool = True):
         if not isinstance(compile, bool):
-            raise TypeError(f"compile must be True or False, got {compile!r}")
+            raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
         super().__init__(device=device, compile=compile)
         self.compile = compile
         index = self.device.partition(":")[2]
         self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{index}"
         #: Number of times a tf.function body was traced (tests assert it stays put).
         self.trace_count = 0
+
+    @property
+    def reuses_traces(self) -> bool:  # type: ignore[override]
+        return self.compile
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:

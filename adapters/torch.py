@@ -24,6 +24,7 @@ control flow on tensors into graph breaks rather than errors, so there is no
 
 from __future__ import annotations
 
+import re
 import types
 import warnings
 import weakref
@@ -35,7 +36,13 @@ import torch
 import torch.func
 
 from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import DeviceError, ModeMismatchError, NonDifferentiableInputError
+from abstractdiff._errors import (
+    ArgumentTypeError,
+    DeviceError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+)
 from abstractdiff._tree import FlatFunction, artefacts, check_output, split_aux
 
 FlatFn = Callable[[list, list], tuple]
@@ -45,6 +52,31 @@ def _in_functorch() -> bool:
     # A torch.func transform (ours or the user's) is active: autograd.grad must not run here.
     # torch has no public query for this (torch 2.13); the private one is what torch.func uses.
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+# numpy first, torch second: numpy cannot multiply a tensor, nor convert one that requires grad
+_NUMPY_MIX = re.compile(r"'numpy\.ndarray' and 'Tensor'|Can't call numpy\(\) on Tensor that requires grad")
+_NUMPY_HINT = (
+    "torch backend: f combines a numpy array with the torch tensors being differentiated (numpy on the "
+    "left, as in W * x with W a numpy array captured by f). Pass the array to f as an argument "
+    "(ad.gradient(b, f, x, W): arguments become torch tensors), convert it once with b.asarray(W), "
+    "or put the tensor first (x * W)."
+)
+
+
+def _hinted(fn: FlatFn) -> FlatFn:
+    """``fn`` adding a hint to the user's own exception when it comes from a numpy/torch mix-up
+    (the exception itself is raised again, type and message unchanged)."""
+
+    def call(xs: list, data: list) -> tuple:
+        try:
+            return fn(xs, data)
+        except (TypeError, RuntimeError) as err:
+            if _NUMPY_MIX.search(str(err)) and _NUMPY_HINT not in getattr(err, "__notes__", ()):
+                err.add_note(_NUMPY_HINT)
+            raise
+
+    return call
 
 
 class _AuxCarrier:
@@ -74,9 +106,9 @@ class TorchBackend(Backend):
 
     def __init__(self, *, device: str | None = None, compile: bool | str = False):
         if not isinstance(compile, (bool, str)):
-            raise TypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
+            raise ArgumentTypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
         if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"compile={compile!r} is not a torch.compile backend; pass True (inductor), False, or "
                 f"one of {', '.join(sorted(torch.compiler.list_backends(exclude_tags=())))}"
             )
@@ -86,6 +118,10 @@ class TorchBackend(Backend):
         #: How many graphs torch.compile has compiled for this backend (a test hook: a repeated
         #: call with the same function, structure, shapes and dtypes must not add one).
         self.compilations = 0
+
+    @property
+    def reuses_traces(self) -> bool:  # type: ignore[override]
+        return bool(self.compile)
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -140,6 +176,9 @@ class TorchBackend(Backend):
 
     def ones_like(self, a: Any) -> torch.Tensor:
         return torch.ones_like(a)
+
+    def snapshot(self, a: Any) -> torch.Tensor:
+        return a.clone()  # differentiable: nested use keeps its graph
 
     def asarray_like(self, a: np.ndarray, like: Any) -> torch.Tensor:
         t = torch.as_tensor(a, device=like.device)
@@ -229,10 +268,19 @@ class TorchBackend(Backend):
 
     @staticmethod
     def _on_device_of(variables: list, args: tuple) -> tuple:
-        # data for a model moved to a GPU goes to the model's device
-        device = variables[0].device
-        return optree.tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a,
-                               args)
+        # Data goes to the model's device (a model moved to a GPU) and float data to the
+        # model's float dtype: a float64 batch for a float32 module would otherwise fail in
+        # torch's matmul ("expected scalar type Float but found Double").
+        device, dtype = variables[0].device, variables[0].dtype
+
+        def fit(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            if a.is_floating_point() and a.dtype != dtype:
+                return a.to(device=device, dtype=dtype)
+            return a.to(device) if a.device != device else a
+
+        return optree.tree_map(fit, args)
 
     def _tensor(self, y: Any) -> torch.Tensor:
         # f may return a numpy array or number that does not depend on x.
@@ -240,9 +288,10 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------- compilation
     def _forward(self, fn: FlatFn) -> FlatFn:
-        """``fn``, or its ``torch.compile``d twin, cached in ``fn``'s artefacts."""
+        """``fn`` (with a hint on numpy/torch mix-ups), or its ``torch.compile``d twin, cached
+        in ``fn``'s artefacts."""
         if not self.compile or not isinstance(fn, FlatFunction):
-            return fn
+            return _hinted(fn)
         store = fn.artefacts(self, "torch.compile")
         forward = store.peek("forward")
         if forward is not None:
@@ -430,3 +479,115 @@ class TorchBackend(Backend):
         # torch 2.13's forward-over-reverse promotes a product with a Python float
         # (0.25 * s * s) to float64 in float32 code: keep the input's dtype
         return [h if h.dtype == x.dtype else h.to(x.dtype) for h, x in zip(hv, xs)]
+
+
+# ---------------------------------------------------------------------------------------
+# Portable functions: autoray translations for numpy/scipy calls that torch lacks or
+# takes differently (docs/guide/portable.md, conformance_tests/test_portable.py).  Each
+# takes numpy's/scipy's arguments and is built from differentiable torch ops that keep
+# dtype and device.  Registered when this adapter is imported, i.e. when a torch backend
+# is created, before any user function runs on it.
+def _register_portable_functions() -> None:
+    import autoray
+
+    def like(value: Any, ref: torch.Tensor) -> torch.Tensor:
+        """A Python or numpy scalar as a tensor of ``ref``'s dtype and device (numpy's weak scalars)."""
+        if isinstance(value, torch.Tensor):
+            return value
+        return torch.as_tensor(value, dtype=ref.dtype, device=ref.device)
+
+    def logsumexp(a, axis=None, keepdims=False):
+        if axis is None:
+            out = torch.logsumexp(a.reshape(-1), 0)
+            return out.reshape((1,) * a.ndim) if keepdims else out
+        return torch.logsumexp(a, dim=axis, keepdim=keepdims)
+
+    def log_softmax(x, axis=None):
+        return x - logsumexp(x, axis=axis, keepdims=True)
+
+    def softmax(x, axis=None):
+        return torch.exp(log_softmax(x, axis=axis))
+
+    def moment(op: Callable) -> Callable:
+        # numpy's ddof=0 by default; torch.std/var default to correction=1.
+        def numpy_like(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+            if dtype is not None or out is not None:
+                raise NotImplementedError("dtype= and out= are not supported on torch tensors")
+            return op(a, dim=axis, correction=ddof, keepdim=keepdims)
+
+        return numpy_like
+
+    def roll(a, shift, axis=None):
+        if axis is None:
+            return torch.roll(a, shifts=shift)
+        return torch.roll(a, shifts=shift, dims=axis)
+
+    def dot(a, b):
+        # numpy.dot: a product with a 0-d array, else a sum over a's last axis and b's
+        # second-to-last (its only one for a vector); torch.dot takes vectors only.
+        b = like(b, a)
+        if a.ndim == 0 or b.ndim == 0:
+            return a * b
+        return torch.tensordot(a, b, dims=([a.ndim - 1], [max(b.ndim - 2, 0)]))
+
+    def repeat(a, repeats, axis=None):
+        if not isinstance(repeats, int):
+            repeats = torch.as_tensor(repeats, device=a.device)
+        return torch.repeat_interleave(a, repeats, dim=axis)
+
+    def scalar_second(op: Callable) -> Callable:
+        # numpy takes a Python scalar second argument (np.maximum(x, 0.0)); torch wants a tensor.
+        def numpy_like(x1, x2, *args, **kwargs):
+            return op(x1, like(x2, x1), *args, **kwargs)
+
+        return numpy_like
+
+    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
+        if trans in (1, "T"):
+            a, lower = a.mT, not lower
+        elif trans in (2, "C"):
+            a, lower = a.mH, not lower
+        vector = b.ndim == 1  # scipy takes a vector right-hand side, torch a matrix
+        x = torch.linalg.solve_triangular(a, b.unsqueeze(-1) if vector else b, upper=not lower,
+                                          unitriangular=unit_diagonal)
+        return x.squeeze(-1) if vector else x
+
+    def unary(op: Callable) -> Callable:
+        def numpy_like(x):
+            return op(x)
+
+        return numpy_like
+
+    def logit(x):
+        return torch.special.logit(x)
+
+    def xlogy(x, y):
+        return torch.special.xlogy(x, like(y, x))
+
+    functions = {
+        "logsumexp": logsumexp,
+        "scipy.special.logsumexp": logsumexp,
+        "std": moment(torch.std),
+        "var": moment(torch.var),
+        "roll": roll,
+        "dot": dot,
+        "repeat": repeat,
+        "linalg.solve_triangular": solve_triangular,
+        "scipy.linalg.solve_triangular": solve_triangular,
+        "scipy.special.erf": unary(torch.special.erf),
+        "scipy.special.erfc": unary(torch.special.erfc),
+        "scipy.special.expit": unary(torch.special.expit),
+        "scipy.special.logit": logit,
+        "scipy.special.gammaln": unary(torch.special.gammaln),
+        "scipy.special.digamma": unary(torch.special.digamma),
+        "scipy.special.xlogy": xlogy,
+        "scipy.special.softmax": softmax,
+        "scipy.special.log_softmax": log_softmax,
+    }
+    for name, fn in functions.items():
+        autoray.register_function("torch", name, fn)
+    for name in ("maximum", "minimum", "logaddexp", "logaddexp2", "arctan2", "hypot"):
+        autoray.register_function("torch", name, scalar_second, wrap=True)
+
+
+_register_portable_functions()

@@ -1,7 +1,7 @@
 """Train one MLP on scikit-learn's digits with every AD backend, and plot the loss curves.
 
     python examples/digits.py                       # every available backend, 400 steps
-    python examples/digits.py --steps 50 --backends torch,jax --out /tmp/loss.png
+    python examples/digits.py --steps 50 --backends torch,jax /tmp/loss.png
 
 The model and the loss are written once with ``autoray`` and trained with
 ``ad.train``; only ``backend=`` changes between runs.  Same data, same initial

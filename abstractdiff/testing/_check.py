@@ -19,6 +19,7 @@ import optree
 
 from .._backend import Backend
 from .._convert import to_numpy
+from .._errors import InvalidArgumentError
 from .._tree import is_array, is_float_dtype
 from ._scenarios import OPERATORS, SECOND_ORDER, Scenario, default_scenarios
 
@@ -351,7 +352,7 @@ def _call(b: Backend, s: Scenario, op: str, x: Any, args: tuple, tangent: Any, c
         return {"hessian": ops.hessian(b, f, x, *args)}
     if op == "hvp":
         return {"hvp": ops.hvp(b, f, x, tangent, *args)}
-    raise ValueError(f"unknown operator {op!r}; known: {OPERATORS}")
+    raise InvalidArgumentError(f"unknown operator {op!r}; known: {OPERATORS}")
 
 
 def _call_prepared(
@@ -382,7 +383,7 @@ def _call_prepared(
         return {"hessian": prep.prepare_hessian(b, f, x, *args)(x, *args)}
     if op == "hvp":
         return {"hvp": prep.prepare_hvp(b, f, x, tangent, *args)(x, tangent, *args)}
-    raise ValueError(f"unknown operator {op!r}; known: {OPERATORS}")
+    raise InvalidArgumentError(f"unknown operator {op!r}; known: {OPERATORS}")
 
 
 def _error_text(err: BaseException) -> str:
@@ -504,7 +505,7 @@ def _implicit_run(
             parts["prepared value"], vjp = prep.prepare_value_and_pullback(b, f, params, *args)(params, *args)
             parts["prepared pullback"] = vjp(_native(b, s.cotangent))
         else:
-            raise ValueError(f"operator {op!r} has no implicit form")
+            raise InvalidArgumentError(f"operator {op!r} has no implicit form")
         problems.extend(p.replace("input", "variable") for p in _unchanged(before, vs))
     except Exception as err:  # reported, not raised
         report.errors[(s.id, op)] = _error_text(err)
@@ -533,7 +534,7 @@ def _implicit_run(
 
 def _grads_as_tree(s: Scenario, vs: Any, float_vars: list, grads: Any) -> Any:
     if len(grads) != len(float_vars):
-        raise ValueError(f"Grads has {len(grads)} entries for {len(float_vars)} parameters")
+        raise InvalidArgumentError(f"Grads has {len(grads)} entries for {len(float_vars)} parameters")
     lookup = {id(v): grads[v] for v in float_vars}
     leaves, treedef = optree.tree_flatten(vs, none_is_leaf=True)
     xs = optree.tree_leaves(s.x, none_is_leaf=True)
@@ -717,10 +718,12 @@ def compare_backends(
 
     bs = [get_backend(b) for b in backends]
     if len(bs) < 2:
-        raise ValueError(f"compare_backends needs at least two backends, got {len(bs)}")
+        raise InvalidArgumentError(f"compare_backends needs at least two backends, got {len(bs)}")
     if reports is None:
         scenarios = default_scenarios() if scenarios is None else list(scenarios)
         reports = [check_backend(b, scenarios) for b in bs]
     elif len(reports) != len(bs):
-        raise ValueError(f"got {len(reports)} reports for {len(bs)} backends; pass one report per backend, in order")
+        raise InvalidArgumentError(
+            f"got {len(reports)} reports for {len(bs)} backends; pass one report per backend, in order"
+        )
     return compare_reports(reports, rtol=rtol)

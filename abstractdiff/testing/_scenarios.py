@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import optree
 
+from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._tree import is_array, is_float_dtype
 
 __all__ = ["OPERATORS", "Scenario", "default_scenarios", "scenario_names"]
@@ -90,25 +91,29 @@ class Scenario:
     def __post_init__(self) -> None:
         self.args = tuple(self.args)
         if not callable(self.f):
-            raise TypeError(f"Scenario {self.name!r}: f must be callable, got {type(self.f).__name__}")
+            raise ArgumentTypeError(f"Scenario {self.name!r}: f must be callable, got {type(self.f).__name__}")
         floats = [a for a in optree.tree_leaves(self.x) if _is_float_leaf(a)]
         if not floats:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Scenario {self.name!r}: x has no float array leaf; use numpy float arrays "
                 f"(np.asarray(v, dtype=np.float64)), not Python floats"
             )
         dtypes = {np.dtype(a.dtype).name for a in floats}
         if len(dtypes) != 1:
-            raise ValueError(f"Scenario {self.name!r}: float leaves of x mix dtypes {sorted(dtypes)}; use one dtype")
+            raise InvalidArgumentError(
+                f"Scenario {self.name!r}: float leaves of x mix dtypes {sorted(dtypes)}; use one dtype"
+            )
         self.dtype: str = dtypes.pop()
         self._derive()
         if self.operators is not None:
             unknown = set(self.operators) - set(OPERATORS)
             if unknown:
-                raise ValueError(f"Scenario {self.name!r}: unknown operators {sorted(unknown)}; known: {OPERATORS}")
+                raise InvalidArgumentError(
+                    f"Scenario {self.name!r}: unknown operators {sorted(unknown)}; known: {OPERATORS}"
+                )
             missing = [op for op in self.operators if op not in self._available()]
             if missing:
-                raise ValueError(f"Scenario {self.name!r}: no reference result for operators {missing}")
+                raise InvalidArgumentError(f"Scenario {self.name!r}: no reference result for operators {missing}")
             self.operators = tuple(op for op in OPERATORS if op in self.operators)
         else:
             self.operators = self._available()
@@ -588,13 +593,13 @@ def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str]
         dtypes = (dtypes,)
     for dt in dtypes:
         if dt not in DTYPES:
-            raise ValueError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
+            raise InvalidArgumentError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
     out = [s for dt in dtypes for s in _built(dt)]
     if names is not None:
         known = {s.name for s in out}
         unknown = sorted(set(names) - known)
         if unknown:
-            raise ValueError(f"unknown scenario names {unknown}; known: {sorted(known)}")
+            raise InvalidArgumentError(f"unknown scenario names {unknown}; known: {sorted(known)}")
         out = [s for s in out if s.name in names]
     return out
 

@@ -1,0 +1,116 @@
+"""What a function reads from globals and closures: the key that keeps traces fresh.
+
+A compiling backend (jax ``jit``, ``tf.function``) traces ``f`` once and reuses the trace;
+values ``f`` reads by closure or from a global are frozen into it as constants.  An
+unprepared operator must not reuse a trace once such a value changed, so the plan cache
+of a tracing backend keys each plan on :func:`captures` of ``f`` too: a changed value
+gives a new plan, and so a new trace.
+
+What is compared:
+
+* Python numbers, strings, bytes, booleans and ``None`` by value (floats by their exact
+  bits), tuples of them element by element;
+* numpy arrays by content when small (up to :data:`CONTENT_LIMIT` elements), larger ones
+  by identity;
+* any other object (another library's array, a function, a model) by identity; such an
+  object is also returned in ``alive``, held weakly by the plan, so that a new object
+  that reuses a dead one's ``id`` cannot find its plan;
+* functions ``f`` calls through a global or a closure are followed (to a small depth), so
+  a helper reading a global is covered as well.
+
+Not seen: values reached through attributes (``self.scale``, ``config.lr``) or inside
+mutable containers (a dict's entries), and large numpy arrays changed in place.  Pass
+such values to ``f`` as arguments: arguments are traced inputs, never frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["CONTENT_LIMIT", "captures"]
+
+#: numpy arrays up to this many elements are compared by content, larger ones by identity.
+CONTENT_LIMIT = 4096
+_MAX_DEPTH = 3
+_SCALARS = (bool, int, str, bytes, complex, type(None))
+
+
+def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int]) -> Any:
+    if isinstance(value, float):
+        return (float, value.hex())
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, np.generic):
+        return (type(value), value.tobytes())
+    if isinstance(value, tuple) and depth < _MAX_DEPTH:
+        return (tuple, tuple(_value_key(v, alive, depth + 1, seen) for v in value))
+    if isinstance(value, np.ndarray) and value.size <= CONTENT_LIMIT and value.dtype != object:
+        return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, types.ModuleType):
+        return None  # module attributes are not followed (see the module docstring)
+    if isinstance(value, (types.FunctionType, functools.partial)) and depth < _MAX_DEPTH:
+        return ("function", id(value), _function_key(value, alive, depth + 1, seen))
+    alive.append(value)
+    return ("id", id(value))
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # lambdas and comprehensions inside f
+            names |= _code_names(const)
+    return names
+
+
+def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple:
+    if id(f) in seen:
+        return ()
+    seen.add(id(f))
+    if isinstance(f, functools.partial):
+        parts = (
+            tuple(_value_key(a, alive, depth, seen) for a in f.args),
+            tuple((k, _value_key(v, alive, depth, seen)) for k, v in sorted(f.keywords.items())),
+        )
+        return (parts, _function_key(f.func, alive, depth, seen))
+    if isinstance(f, types.MethodType):
+        f = f.__func__
+    if not isinstance(f, types.FunctionType):
+        return ()
+    out: list[Any] = []
+    globals_ = f.__globals__
+    for name in sorted(_code_names(f.__code__)):
+        if name in globals_:
+            out.append((name, _value_key(globals_[name], alive, depth, seen)))
+    for i, cell in enumerate(f.__closure__ or ()):
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+            continue
+        out.append((i, _value_key(contents, alive, depth, seen)))
+    return tuple(out)
+
+
+def captures(f: Callable[..., Any]) -> tuple[tuple, list[Any]]:
+    """``(key, alive)``: a hashable key of the values ``f`` reads from globals and closures,
+    and the objects compared by identity (to be held weakly while the key is in use).
+
+    A callable object that wraps a user function (the implicit adapter's wrapper, the
+    training loop's bound loss) names it in ``__abstractdiff_wrapped__``.
+
+    Example:
+        >>> SCALE = 2.0
+        >>> f = lambda x: SCALE * x
+        >>> before, _ = captures(f)
+        >>> SCALE = 5.0
+        >>> captures(f)[0] == before
+        False
+    """
+    alive: list[Any] = []
+    wrapped = getattr(f, "__abstractdiff_wrapped__", None)
+    if wrapped is not None:
+        f = wrapped
+    return _function_key(f, alive, 0, set()), alive
