@@ -15,8 +15,9 @@ What is compared:
 * any other object (another library's array, a function, a model) by identity; such an
   object is also returned in ``alive``, held weakly by the plan, so that a new object
   that reuses a dead one's ``id`` cannot find its plan;
-* functions ``f`` calls through a global or a closure are followed (to a small depth), so
-  a helper reading a global is covered as well.
+* functions of ``f``'s own module that ``f`` calls through a global or a closure are
+  followed (to a small depth), so a helper reading a global is covered as well; a
+  library's functions are compared by identity only.
 
 Not seen: values reached through attributes (``self.scale``, ``config.lr``) or inside
 mutable containers (a dict's entries), and large numpy arrays changed in place.  Pass
@@ -39,7 +40,7 @@ _MAX_DEPTH = 3
 _SCALARS = (bool, int, str, bytes, complex, type(None))
 
 
-def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int]) -> Any:
+def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module: str | None = None) -> Any:
     if isinstance(value, float):
         return (float, value.hex())
     if isinstance(value, _SCALARS):
@@ -52,17 +53,32 @@ def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int]) -> Any:
         return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, types.ModuleType):
         return None  # module attributes are not followed (see the module docstring)
-    if isinstance(value, (types.FunctionType, functools.partial)) and depth < _MAX_DEPTH:
+    if (
+        isinstance(value, (types.FunctionType, functools.partial))
+        and depth < _MAX_DEPTH
+        and getattr(value, "__module__", None) == module  # the user's own helpers; not a library's internals
+    ):
         return ("function", id(value), _function_key(value, alive, depth + 1, seen))
     alive.append(value)
     return ("id", id(value))
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # lambdas and comprehensions inside f
-            names |= _code_names(const)
+_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+
+
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names a code object (and the lambdas and comprehensions inside it) may read,
+    sorted; computed once per code object."""
+    names = _NAMES.get(code)
+    if names is None:
+        found = set(code.co_names)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                found |= set(_code_names(const))
+        names = tuple(sorted(found))
+        if len(_NAMES) > 4096:  # bounded: code objects of functions made at run time
+            _NAMES.clear()
+        _NAMES[code] = names
     return names
 
 
@@ -71,9 +87,10 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple
         return ()
     seen.add(id(f))
     if isinstance(f, functools.partial):
+        module = getattr(f.func, "__module__", None)
         parts = (
-            tuple(_value_key(a, alive, depth, seen) for a in f.args),
-            tuple((k, _value_key(v, alive, depth, seen)) for k, v in sorted(f.keywords.items())),
+            tuple(_value_key(a, alive, depth, seen, module) for a in f.args),
+            tuple((k, _value_key(v, alive, depth, seen, module)) for k, v in sorted(f.keywords.items())),
         )
         return (parts, _function_key(f.func, alive, depth, seen))
     if isinstance(f, types.MethodType):
@@ -82,15 +99,16 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple
         return ()
     out: list[Any] = []
     globals_ = f.__globals__
-    for name in sorted(_code_names(f.__code__)):
+    module = f.__module__
+    for name in _code_names(f.__code__):
         if name in globals_:
-            out.append((name, _value_key(globals_[name], alive, depth, seen)))
+            out.append((name, _value_key(globals_[name], alive, depth, seen, module)))
     for i, cell in enumerate(f.__closure__ or ()):
         try:
             contents = cell.cell_contents
         except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
             continue
-        out.append((i, _value_key(contents, alive, depth, seen)))
+        out.append((i, _value_key(contents, alive, depth, seen, module)))
     return tuple(out)
 
 

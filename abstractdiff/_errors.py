@@ -14,6 +14,7 @@ __all__ = [
     "ArgumentTypeError",
     "InvalidArgumentError",
     "UnknownVariableError",
+    "CollectedError",
     "BackendUnavailableError",
     "CheckpointError",
     "DeviceError",
@@ -47,6 +48,11 @@ class UnknownVariableError(AbstractDiffError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class CollectedError(AbstractDiffError, ReferenceError):
+    """A function or variable being differentiated was garbage collected while an operator
+    or a returned pullback still needed it (keep a reference to it)."""
 
 
 class UnknownBackendError(AbstractDiffError, ValueError):

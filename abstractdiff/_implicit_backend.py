@@ -39,6 +39,7 @@ from ._backend import Backend
 from ._cache import WeakLRU
 from ._errors import (
     ArgumentTypeError,
+    CollectedError,
     InvalidArgumentError,
     ModeMismatchError,
     NonDifferentiableInputError,
@@ -91,14 +92,14 @@ class _Swapped:
     def variables(self) -> tuple[list[Any], list[Variable]]:
         variables = [r() for r in self._vars]
         if self._f() is None or any(v is None for v in variables):
-            raise ReferenceError("the function or a variable being differentiated was garbage collected")
+            raise CollectedError("the function or a variable being differentiated was garbage collected")
         # a dead other box cannot be read by f any more: it is left out, never an error
         return variables, [b for b in (r() for r in self._extra) if b is not None]
 
     def __call__(self, values: list, extra_values: list, *args: Any) -> Any:
         f = self._f()
         if f is None:
-            raise ReferenceError("the function being differentiated was garbage collected")
+            raise CollectedError("the function being differentiated was garbage collected")
         reads: dict[int, Variable] = {}
         swapped: list[tuple[Any, Any, Any]] = []
         _reads.stack.append(reads)
@@ -144,7 +145,7 @@ class _Family:
             return w
         f, variables = self._f(), [r() for r in self._vars]
         if f is None or any(v is None for v in variables):
-            raise ReferenceError("the function or a variable being differentiated was garbage collected")
+            raise CollectedError("the function or a variable being differentiated was garbage collected")
         return self.wrappers.put(extra, _Swapped(f, self.owner, variables, list(extra)))
 
     def observe(self, w: _Swapped, seen: dict[int, Any]) -> None:

@@ -18,7 +18,7 @@ from . import optim
 from ._backend import Backend
 from ._cache import WeakLRU
 from ._convert import to_numpy
-from ._errors import ArgumentTypeError, InvalidArgumentError, ModeMismatchError, NonFiniteError
+from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
 from ._tree import is_array
 
@@ -83,7 +83,7 @@ class _Bound:
     def __call__(self, *batch: Any) -> Any:
         loss_fn, model = self._loss_fn(), self._model()
         if loss_fn is None or model is None:
-            raise ReferenceError("the loss function or the model being trained was garbage collected")
+            raise CollectedError("the loss function or the model being trained was garbage collected")
         return loss_fn(model, *batch)
 
 

@@ -25,7 +25,7 @@ import optree
 
 from ._cache import WeakLRU
 from ._captures import captures
-from ._errors import InvalidOutputError, NonDifferentiableInputError
+from ._errors import CollectedError, InvalidOutputError, NonDifferentiableInputError
 
 T = TypeVar("T")
 
@@ -244,7 +244,7 @@ class FlatFunction(HasArtefacts):
     def f(self) -> Callable[..., Any]:
         f = self._f()
         if f is None:
-            raise ReferenceError(
+            raise CollectedError(
                 "the function being differentiated was garbage collected; keep a reference to it "
                 "while its flat function is in use"
             )

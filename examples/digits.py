@@ -69,12 +69,16 @@ def batches(x, y, steps: int, size: int = 64, seed: int = 0):
     return out[:steps]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="examples/digits_loss.png", help="where to save the plot")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--backends", default=None, help="comma-separated; default: every available one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import matplotlib
 

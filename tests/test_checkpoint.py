@@ -352,3 +352,86 @@ def test_argument_errors(tmp_path):
         ad.load_checkpoint(tmp_path / "missing.npz", like={"w": np.zeros(3)})
     with pytest.raises(TypeError, match="OptState"):
         ad.save_checkpoint(tmp_path / "x.npz", {"w": np.zeros(3)}, {"w": np.zeros(3)})
+
+
+# ------------------------------------------------------------------ corrupt files, one kind at a time
+def _saved(tmp_path):
+    state, model = trained()
+    path = tmp_path / "ckpt.npz"
+    ad.save_checkpoint(path, state, model)
+    return path
+
+
+def _rewrite_metadata(path, change):
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays["__abstractdiff__"].tobytes())
+    change(meta)
+    arrays["__abstractdiff__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def test_a_bad_compression_field_is_a_checkpoint_error(tmp_path):
+    path = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    # the compression method of the first local file header (offset 8) and of every
+    # central-directory entry (offset 10 after each signature): 99 is no method zipfile knows
+    data[8:10] = (99).to_bytes(2, "little")
+    start = data.find(b"PK\x01\x02")
+    while start != -1:
+        data[start + 10 : start + 12] = (99).to_bytes(2, "little")
+        start = data.find(b"PK\x01\x02", start + 4)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ad.CheckpointError, match="ckpt.npz"):
+        ad.load_checkpoint(path, like=like_of())
+
+
+def test_a_member_that_is_not_an_array_is_a_checkpoint_error(tmp_path):
+    import zipfile
+
+    path = _saved(tmp_path)
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("notes.txt", "not an array")
+    with pytest.raises(ad.CheckpointError, match="ckpt.npz"):
+        ad.load_checkpoint(path, like=like_of())
+
+
+def test_a_text_file_is_not_called_pickled(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    path.write_text("hello, I am a text file\n")
+    with pytest.raises(ad.CheckpointError, match=r"not a \.npz \(zip\) archive") as err:
+        ad.load_checkpoint(path, like=like_of())
+    assert "pickle" not in str(err.value)
+    path.write_bytes(b"")
+    with pytest.raises(ad.CheckpointError, match="empty"):
+        ad.load_checkpoint(path, like=like_of())
+
+
+@pytest.mark.parametrize("value", ["three", 3.5, True, None])
+def test_metadata_values_are_type_checked(tmp_path, value):
+    path = _saved(tmp_path)
+
+    def corrupt(meta):
+        entry = next(e for e in meta["leaves"] if e["path"] == "state/1")  # the step counter
+        entry["value"] = value
+
+    _rewrite_metadata(path, corrupt)
+    with pytest.raises(ad.CheckpointError, match="metadata is corrupt"):
+        ad.load_checkpoint(path, like=like_of())
+
+
+def test_temporaries_of_killed_saves_are_cleaned_up(tmp_path):
+    state, model = trained()
+    path = tmp_path / "ckpt.npz"
+    dead = tmp_path / ".ckpt.npz.999999999.abcdef.tmp"  # no such process: a killed save's leftover
+    dead.write_bytes(b"x" * 100)
+    mine = tmp_path / f".ckpt.npz.{os.getpid()}.abcdef.tmp"  # a save of a running process: left alone
+    mine.write_bytes(b"y")
+    old = tmp_path / ".ckpt.npz.a1b2c3.tmp"  # the older name without a process id, an hour old
+    old.write_bytes(b"z")
+    os.utime(old, (0, 0))
+    other = tmp_path / ".other.npz.999999999.abcdef.tmp"  # another checkpoint's: not ours to remove
+    other.write_bytes(b"w")
+    ad.save_checkpoint(path, state, model)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.npz", mine.name, other.name])

@@ -221,3 +221,23 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "backends" / "index.html").exists()
     html = (tmp_path / "site" / "backends" / "index.html").read_text()
     assert "matrix:" not in html, "a backend-matrix marker was not filled in by docs/hooks.py"
+
+
+def test_example_usage_lines_parse() -> None:
+    """Every `python examples/X.py ...` line of an example's docstring is accepted by its parser."""
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("digits_example", ROOT / "examples" / "digits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lines = [ln.split("#")[0].strip() for ln in module.__doc__.splitlines() if "python examples/digits.py" in ln]
+    assert lines
+    for line in lines:
+        argv = shlex.split(line)[2:]
+        module.build_parser().parse_args(argv)  # SystemExit (a test failure) on an unknown flag
+
+
+def test_step_info_is_exported() -> None:
+    from abstractdiff._train import StepInfo
+
+    assert ad.StepInfo is StepInfo and "StepInfo" in ad.__all__

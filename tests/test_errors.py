@@ -373,3 +373,29 @@ def test_gradient_does_not_alias_x(fd):
     x = np.array([0.5, -1.0])
     for g in (ad.gradient(fd, lambda t: np.sum(t), x), ad.pullback(fd, lambda t: t, x)(np.ones(2))):
         assert not np.shares_memory(g, x)
+
+
+# ------------------------------------------------------------- every error is ours
+def test_every_raise_in_the_package_is_an_abstractdiff_error():
+    """No bare builtin exception escapes to users: each raise names an ad.AbstractDiffError
+    subclass (which is also the builtin a caller would catch)."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    exceptions = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    allowed = {"NotImplementedError", "AttributeError", "AssertionError"}  # abstract hooks, module __getattr__
+    root = Path(ad.__file__).resolve().parent.parent
+    problems = []
+    for path in sorted((root / "abstractdiff").rglob("*.py")) + sorted((root / "adapters").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                name = node.exc.func.id
+                if name in exceptions and name not in allowed:
+                    problems.append(f"{path.relative_to(root)}:{node.lineno}: raise {name}(...)")
+    assert not problems, "builtin exceptions raised directly:\n" + "\n".join(problems)
+
+
+def test_params_of_a_numpy_array_is_an_abstractdiff_error():
+    with raises(ad.ModeMismatchError, TypeError, match=["not a variable", "ad.Variable"]):
+        ad.Params([np.ones(2)])

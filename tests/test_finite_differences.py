@@ -8,6 +8,8 @@ from autoray import numpy as anp
 
 import abstractdiff as ad
 
+FD = "finite_differences"
+
 X64 = np.array([-0.9, -0.2, 0.4, 1.3])
 
 
@@ -70,3 +72,38 @@ def test_compute_dtype_value_keeps_the_input_dtype():
 def test_compute_dtype_must_be_a_float_dtype(bad):
     with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
         ad.backend("finite_differences", compute_dtype=bad)
+
+
+# ------------------------------------------------------------- never silently wrong
+def test_f_that_writes_into_its_input_changes_neither_the_caller_nor_the_point():
+    def f(x):
+        x *= 2  # writes into its input
+        return anp.sum(x**2)
+
+    x = np.array([1.0, 2.0])
+    np.testing.assert_allclose(ad.gradient(FD, f, x), 8 * np.array([1.0, 2.0]), rtol=1e-8)
+    np.testing.assert_allclose(ad.hessian(FD, f, x), 8 * np.eye(2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(x, [1.0, 2.0])
+
+
+def test_a_nan_in_x_is_a_clear_error_not_all_nan():
+    with pytest.raises(ad.NonFiniteInputError, match="NaN or inf") as err:
+        ad.gradient(FD, lambda x: anp.sum(x**2), np.array([1.0, np.nan, 3.0]))
+    assert isinstance(err.value, ValueError)
+
+
+def test_a_step_the_dtype_cannot_resolve_is_refused():
+    with pytest.raises(ad.InvalidArgumentError, match="below what float64 can resolve"):
+        ad.gradient(ad.backend(FD, step=1e-30), lambda x: anp.sum(x**2), np.ones(2))
+    with pytest.raises(ad.InvalidArgumentError, match="below what float32 can resolve"):
+        ad.gradient(ad.backend(FD, step=1e-9), lambda x: anp.sum(x**2), np.ones(2, dtype=np.float32))
+    g = ad.gradient(ad.backend(FD, step=1e-3), lambda x: anp.sum(x**2), np.ones(2, dtype=np.float32))
+    np.testing.assert_allclose(g, [2.0, 2.0], rtol=1e-3)
+
+
+def test_bfloat16_is_differenced_in_float32_and_returned_in_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.array([1.0, 2.0]).astype(ml_dtypes.bfloat16)
+    y, g = ad.value_and_gradient(FD, lambda x: anp.sum(x**2), x)
+    assert g.dtype == ml_dtypes.bfloat16 and y.dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(g.astype(np.float32), [2.0, 4.0], rtol=1e-2)
