@@ -97,7 +97,10 @@ class Backend(DerivedOperators):
             from ._convert import to_numpy
 
             a = to_numpy(a)
-        return self.from_numpy(np.asarray(a, dtype=dtype))
+        try:
+            return self.from_numpy(np.asarray(a, dtype=dtype))
+        except TypeError:  # a dtype numpy has no name for (torch's "bfloat16"): the library casts
+            return self.cast(self.from_numpy(np.asarray(a)), dtype)  # type: ignore[arg-type]
 
     def convert(self, a: Any, dtype: str | None = None) -> Any:
         """The same as :meth:`asarray` (its older name)."""

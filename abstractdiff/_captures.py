@@ -48,7 +48,7 @@ def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module:
     if isinstance(value, np.generic):
         return (type(value), value.tobytes())
     if isinstance(value, tuple) and depth < _MAX_DEPTH:
-        return (tuple, tuple(_value_key(v, alive, depth + 1, seen) for v in value))
+        return (tuple, tuple(_value_key(v, alive, depth + 1, seen, module) for v in value))
     if isinstance(value, np.ndarray) and value.size <= CONTENT_LIMIT and value.dtype != object:
         return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, types.ModuleType):
@@ -128,7 +128,10 @@ def captures(f: Callable[..., Any]) -> tuple[tuple, list[Any]]:
         False
     """
     alive: list[Any] = []
-    wrapped = getattr(f, "__abstractdiff_wrapped__", None)
-    if wrapped is not None:
+    # wrappers may wrap wrappers (the training loop's bound loss inside the implicit wrapper)
+    for _ in range(8):
+        wrapped = getattr(f, "__abstractdiff_wrapped__", None)
+        if wrapped is None:
+            break
         f = wrapped
     return _function_key(f, alive, 0, set()), alive

@@ -190,7 +190,9 @@ def _remove_stale_temporaries(directory: str, name: str) -> None:
 
     A save writes ``.{name}.{pid}.{token}.tmp`` and renames it; one killed before the
     rename leaves it.  A temporary whose process no longer runs is abandoned (one of a
-    running process, another save in progress, is left alone).
+    running process, another save in progress, is left alone); where processes cannot be
+    probed safely (Windows) or the name has no process id, one older than
+    :data:`STALE_AFTER` seconds is.
     """
     prefix, suffix = f".{name}.", ".tmp"
     try:
@@ -201,7 +203,7 @@ def _remove_stale_temporaries(directory: str, name: str) -> None:
     for entry in candidates:
         middle = entry.name[len(prefix): -len(suffix)].split(".")
         try:
-            if len(middle) == 2 and middle[0].isdigit():
+            if len(middle) == 2 and middle[0].isdigit() and os.name == "posix":
                 if _process_running(int(middle[0])):
                     continue
             elif now - entry.stat().st_mtime < STALE_AFTER:
@@ -212,6 +214,8 @@ def _remove_stale_temporaries(directory: str, name: str) -> None:
 
 
 def _process_running(pid: int) -> bool:
+    """POSIX only: signal 0 tests for a process without touching it (on Windows os.kill would
+    terminate it, so there the age of the file decides)."""
     if pid == os.getpid():
         return True
     try:

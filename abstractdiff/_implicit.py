@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import optree
 
+from ._arrays import dtype_name, shape_of
 from ._errors import (
     ArgumentTypeError,
     ModeMismatchError,
@@ -41,16 +42,6 @@ from ._registry import backend_for
 from ._tree import is_array, is_float_dtype, register_pytree_node
 
 __all__ = ["BOXES", "Grads", "Params", "Variable", "current_values", "variable_owner", "variables"]
-
-
-def _dtype_name(a: Any) -> str:
-    import autoray
-
-    return autoray.get_dtype_name(a)
-
-
-def _shape(a: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in a.shape)
 
 
 # ------------------------------------------------------------------ Variable
@@ -102,13 +93,13 @@ class Variable:
         if isinstance(new, Variable):
             new = new.value
         if not is_array(new):
-            new = np.asarray(new, dtype=_dtype_name(self._value))
-        if _shape(new) != _shape(self._value):
+            new = np.asarray(new, dtype=dtype_name(self._value))
+        if shape_of(new) != shape_of(self._value):
             raise ShapeMismatchError(
-                f"cannot assign an array of shape {_shape(new)} to {self._label()} of shape "
-                f"{_shape(self._value)}; a Variable keeps its shape (create a new ad.Variable instead)"
+                f"cannot assign an array of shape {shape_of(new)} to {self._label()} of shape "
+                f"{shape_of(self._value)}; a Variable keeps its shape (create a new ad.Variable instead)"
             )
-        old, got = _dtype_name(self._value), _dtype_name(new)
+        old, got = dtype_name(self._value), dtype_name(new)
         if got != old:
             hint = (
                 " (jax computes in float32 outside `with jax.enable_x64(True):`; run the update in that scope)"
@@ -130,7 +121,7 @@ class Variable:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return _shape(self._value)
+        return shape_of(self._value)
 
     @property
     def dtype(self) -> Any:
@@ -147,7 +138,7 @@ class Variable:
 
     def __repr__(self) -> str:
         name = f"{self.name!r}, " if self.name else ""
-        return f"Variable({name}shape={self.shape}, dtype={_dtype_name(self._value)}, value={self._value!r})"
+        return f"Variable({name}shape={self.shape}, dtype={dtype_name(self._value)}, value={self._value!r})"
 
 
 # ------------------------------------------------------- recognising variables
@@ -163,7 +154,7 @@ class _Boxes:
     def check_variable(self, v: Any, where: str) -> None:
         if not is_float_dtype(v.dtype):
             raise NonDifferentiableInputError(
-                f"{where} is an ad.Variable of dtype {_dtype_name(v._value)}; only float variables can "
+                f"{where} is an ad.Variable of dtype {dtype_name(v._value)}; only float variables can "
                 f"be parameters (pass integer data to f another way)"
             )
 
@@ -219,7 +210,7 @@ def _check_variable(v: Any, where: str) -> Any:
     """The owner of variable ``v``, after checking it can be a parameter."""
     owner = variable_owner(v)
     if owner is None:
-        what = type(v).__name__ + (f" of shape {_shape(v)}" if is_array(v) else "")
+        what = type(v).__name__ + (f" of shape {shape_of(v)}" if is_array(v) else "")
         raise ModeMismatchError(
             f"{where} is a {what}, not a variable: ad.Params holds mutable variables (a library's "
             f"own, such as torch leaf tensors requiring grad or tf.Variable, or ad.Variable), or models "
@@ -311,7 +302,7 @@ class Params:
         return id(v) in self._index
 
     def __repr__(self) -> str:
-        size = sum(int(np.prod(_shape(v))) for v in self._vars)
+        size = sum(int(np.prod(shape_of(v))) for v in self._vars)
         what = self.kind or "none"
         frozen = f"; {self.frozen} frozen parameter{'s' * (self.frozen != 1)} skipped" if self.frozen else ""
         n = len(self._vars)
@@ -368,7 +359,7 @@ class Grads(Mapping):
     def __getitem__(self, p: Any) -> Any:
         i = self._index.get(id(p))
         if i is None:
-            what = type(p).__name__ + (f" of shape {_shape(p)}" if is_array(p) else "")
+            what = type(p).__name__ + (f" of shape {shape_of(p)}" if is_array(p) else "")
             raise UnknownVariableError(
                 f"this {what} is not one of the {len(self._params)} parameters of the Params that were "
                 f"differentiated (parameters are looked up by identity: pass the variable object itself, "
@@ -397,7 +388,7 @@ class Grads(Mapping):
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        parts = [f"{_shape(g)} {_dtype_name(g)}" for g in self._values[:6]]
+        parts = [f"{shape_of(g)} {dtype_name(g)}" for g in self._values[:6]]
         more = ", ..." if len(self._values) > 6 else ""
         return f"Grads({len(self._values)} parameters: [{', '.join(parts)}{more}])"
 

@@ -82,7 +82,8 @@ class ValueAndGradientPrep(Preparation):
 
 
 class GradientPrep(ValueAndGradientPrep):
-    """``g``, or ``(g, aux)`` when ``f`` has aux."""
+    """``g``, or ``(g, aux)`` when ``f`` has aux.  (``run`` repeats its parent's three lines
+    rather than calling a shared helper: it is the hot path of every gradient.)"""
 
     operator = "gradient"
 
@@ -302,9 +303,7 @@ class Prepared:
     operator: ClassVar[str] = "operator"
 
     def __init__(self, b: Any, f: Callable[..., Any], x: Any, args: tuple, has_aux: bool = False):
-        from ._registry import backend as get_backend
-
-        self.backend = get_backend(b)
+        self.backend = _backend(b)
         self.has_aux = has_aux
         fn, xs, data = self.backend.flatten(f, x, args, has_aux)
         self.fn: FlatFunction = fn

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -284,7 +286,8 @@ def backend(name: str | Backend, **options: Any) -> Backend:
 # ------------------------------------------------------- the backend of an object
 # type -> the backend owning objects of that type (None: numpy or unknown); cleared
 # whenever a backend is registered or created, so an unknown type is looked up again.
-_OWNERS: dict[type, Backend | None] = {}
+# Weak: classes made at run time may die.
+_OWNERS: weakref.WeakKeyDictionary[type, Backend | None] = weakref.WeakKeyDictionary()
 
 
 def owns(b: Backend, obj: Any) -> bool:
@@ -319,7 +322,9 @@ def _find_owner(obj: Any) -> Backend | None:
     # 1. registered backends that declare one of the object's modules (it is imported:
     #    the object exists), so creating that backend imports nothing new
     for name, entry in list(_registry.items()):
-        if set(entry.handles) & mods:
+        # ... and whose own library is imported too: Keras objects on the jax Keras backend
+        # must not import TensorFlow
+        if set(entry.handles) & mods and all(m in sys.modules for m in entry.requires):
             b = _quiet_backend(name)
             if b is not None and owns(b, obj):
                 return b

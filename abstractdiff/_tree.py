@@ -110,11 +110,14 @@ class Artefacts:
     ``variant`` (built once with ``build()``).  The backend's type and options are part of
     the key already (:meth:`FlatFunction.artefacts`); ``variant`` holds whatever else
     changes the result: the x64 mode, a device, the input signature (shapes and dtypes)
-    when the artefact depends on it.  Thread-safe: two threads asking for a missing
-    variant build it once.
+    when the artefact depends on it.  At most :attr:`max_variants` are kept, the oldest
+    out first (a shape that changes every call must not grow the cache without end).
+    Thread-safe: two threads asking for a missing variant build it once.
     """
 
     __slots__ = ("operator", "_variants", "_lock")
+
+    max_variants = 64
 
     def __init__(self, operator: str):
         self.operator = operator
@@ -129,6 +132,8 @@ class Artefacts:
         with self._lock:
             if variant not in self._variants:
                 self._variants[variant] = build()
+                while len(self._variants) > self.max_variants:
+                    del self._variants[next(iter(self._variants))]
             return self._variants[variant]
 
     def peek(self, variant: Hashable) -> Any:
@@ -136,14 +141,8 @@ class Artefacts:
         return self._variants.get(variant)
 
     def put(self, variant: Hashable, value: Any) -> None:
-        self._variants[variant] = value
-
-    def trim(self, maxsize: int) -> None:
-        """Keep at most ``maxsize`` variants, dropping the oldest (input signatures that
-        change on every call must not grow the cache without end)."""
         with self._lock:
-            while len(self._variants) > maxsize:
-                del self._variants[next(iter(self._variants))]
+            self._variants[variant] = value
 
     def __len__(self) -> int:
         return len(self._variants)
@@ -226,8 +225,11 @@ class FlatFunction(HasArtefacts):
         self._captured: list[Callable[[], Any]] = []
 
     def hold_captured(self, objects: list[Any]) -> None:
-        """Remember the objects the plan key names by identity: weakly where possible (a
-        dead one invalidates the plan, see :meth:`captured_alive`), else strongly."""
+        """Remember the objects the plan key names by identity: weakly where possible, else
+        strongly.  A plan whose object died must not be found by a new object that reuses
+        its ``id`` (see :meth:`captured_alive`); objects a compiled trace keeps as
+        constants never die while the plan exists, and are released when a plan with newer
+        values replaces it (:meth:`PlanCache.store`)."""
         refs = []
         for obj in objects:
             try:
@@ -440,6 +442,11 @@ class PlanCache:
     Each function keeps at most :attr:`max_per_function` plans, least recently used out
     first: a static argument that changes every call (a step counter passed as an int)
     would otherwise add a plan, and on compiled backends an executable, per call.
+
+    Plans that differ only in the values ``f`` reads from globals and closures (see
+    :mod:`abstractdiff._captures`) replace each other: the old values are never read again
+    (a changed value means a new trace), and keeping their plans would keep their
+    compiled traces, which hold those values as constants, alive.
     """
 
     max_per_function = 64
@@ -461,12 +468,18 @@ class PlanCache:
                 pass
         return fn
 
-    def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction) -> None:
+    def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction, replaces: Any = None) -> None:
+        """Store ``fn`` under ``key``; with ``replaces``, first drop the plans whose key starts
+        with it (the same structure, other captured values)."""
         ident = _function_identity(f)
         with self._lock:
             plans = self._functions.get(ident)
             if plans is None:  # not weak-referenceable (a builtin): put() keeps nothing
                 plans = self._functions.put(ident, OrderedDict())
+            if replaces is not None:
+                n = len(replaces)
+                for old in [k for k in plans if k[:n] == replaces and k != key]:
+                    del plans[old]
             plans[key] = fn
             while len(plans) > self.max_per_function:
                 plans.popitem(last=False)
@@ -514,11 +527,11 @@ def flatten_call(
             data_index.append(n + j)
         else:
             static.append((n + j, _static_key(leaf)))
-    key = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
+    key = structure = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
     alive: list[Any] = []
     if track_captures:
         captured, alive = captures(f)
-        key += (captured,)
+        key = structure + (captured,)
     leaves = x_leaves + a_leaves
     fn = cache.lookup(f, key) if cache is not None else None
     if fn is not None and alive and not fn.captured_alive():
@@ -535,7 +548,7 @@ def flatten_call(
         if alive:
             fn.hold_captured(alive)
         if cache is not None:
-            cache.store(f, key, fn)
+            cache.store(f, key, fn, replaces=structure if track_captures else None)
     xs = [leaves[i] for i in diff_index]
     data = [leaves[i] for i in data_index]
     return fn, xs, data

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import optree
@@ -476,7 +476,8 @@ def write(var: Any, value: Any) -> None:
 
 
 # ------------------------------------------------------------------ arithmetic scope
-def arithmetic_scope(leaves: Any) -> Any:
+@contextlib.contextmanager
+def arithmetic_scope(leaves: Any) -> Iterator[None]:
     """The scopes the arrays' libraries need for arithmetic outside the operators.
 
     Each array's backend is found by its type and its ``scope`` hook entered (jax's x64
@@ -492,12 +493,10 @@ def arithmetic_scope(leaves: Any) -> Any:
         b = backend_for(a)
         if b is not None:
             owners.setdefault(id(b), (b, []))[1].append(a)
-    if not owners:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for b, arrays in owners.values():
-        stack.enter_context(b.scope(arrays))
-    return stack
+    with contextlib.ExitStack() as stack:
+        for b, arrays in owners.values():
+            stack.enter_context(b.scope(arrays))
+        yield
 
 
 x64_scope = arithmetic_scope  # its older name

@@ -94,9 +94,11 @@ class FiniteDifferencesBackend(Backend):
         return widened, dtypes
 
     @staticmethod
-    def _value_dtype(y: np.ndarray, dtypes: list) -> np.dtype:
-        # f's output in the dtype it would have had on the caller's inputs.
-        return np.result_type(*dtypes) if y.dtype.kind == "f" and dtypes else y.dtype
+    def _value_dtype(y: np.ndarray, dtypes: list, data: list) -> np.dtype:
+        # f's output in the dtype it would have had on the caller's inputs (float data included:
+        # float32 x times float64 data is float64, as on every backend)
+        floats = list(dtypes) + [d.dtype for d in data if isinstance(d, np.ndarray) and d.dtype.kind == "f"]
+        return np.result_type(*floats) if y.dtype.kind == "f" and floats else y.dtype
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)
@@ -160,14 +162,14 @@ class FiniteDifferencesBackend(Backend):
             flat_dy = np.reshape(dy, -1)
             return [(flat_dy @ m).reshape(x.shape).astype(d) for m, x, d in zip(mats, xs, dtypes)]
 
-        return y.astype(self._value_dtype(y, dtypes)), aux, vjp
+        return y.astype(self._value_dtype(y, dtypes, data)), aux, vjp
 
     def flat_value_and_pushforward(self, fn: Callable, xs: list, data: list):
         fn = _fresh_inputs(fn)
         xs, dtypes = self._widen(xs)
         y, aux = fn(xs, data)
         y = np.asarray(y)
-        out = self._value_dtype(y, dtypes)
+        out = self._value_dtype(y, dtypes, data)
 
         def jvp(ts: list) -> np.ndarray:
             return np.asarray(self._directional(fn, xs, data, ts)).astype(out).reshape(y.shape)
@@ -182,7 +184,7 @@ class FiniteDifferencesBackend(Backend):
         check_scalar(y)
         mats = self._jacobian_matrices(fn, xs, data, y)
         grads = [m.reshape(x.shape).astype(d) for m, x, d in zip(mats, xs, dtypes)]
-        return y.astype(self._value_dtype(y, dtypes)), aux, grads
+        return y.astype(self._value_dtype(y, dtypes, data)), aux, grads
 
     def flat_hessian(self, fn: Callable, xs: list, data: list) -> np.ndarray:
         fn = _fresh_inputs(fn)

@@ -1,9 +1,10 @@
 """TensorFlow: ``tf.GradientTape`` (reverse), ``tf.autodiff.ForwardAccumulator`` (forward).
 
 Each operator has one body written for a tape; with ``compile=True`` (the default) the
-body runs inside a ``tf.function`` cached on the flat function's ``cache``, otherwise
-eagerly.  When the inputs are already symbolic (an abstractdiff operator called inside a
-function that TensorFlow is tracing) the body runs directly in that graph: nested tapes
+body runs inside a ``tf.function`` kept in the flat function's artefacts
+(``fn.artefacts(backend, operator)``), otherwise eagerly.  When the inputs are already
+symbolic (an abstractdiff operator called inside a function that TensorFlow is tracing)
+the body runs directly in that graph: nested tapes
 then differentiate through it.
 """
 
@@ -137,6 +138,10 @@ class TensorFlowBackend(Backend):
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a.numpy())
+
+    def snapshot(self, a: Any) -> Any:
+        # tensors are immutable; a variable is not: keep its current value
+        return tf.identity(a) if isinstance(a, tf.Variable) else a
 
     def cast(self, a: Any, dtype: str) -> Any:
         return tf.cast(a, dtype)
@@ -357,3 +362,81 @@ for _name in abstractdiff._operators.__all__:
     getattr(abstractdiff._operators, _name).autograph_info__ = frozenset()
 for _name in OPERATOR_METHODS:
     getattr(Backend, _name).autograph_info__ = frozenset()
+
+
+# ---------------------------------------------------------------------------------------
+# Portable functions: autoray translations for numpy/scipy calls that
+# tf.experimental.numpy lacks or takes differently (docs/guide/portable.md,
+# conformance_tests/test_portable.py).  Each takes numpy's/scipy's arguments and is built
+# from differentiable TensorFlow ops that keep the dtype; none needs autograph.
+# Registered when this adapter is imported, i.e. when a tensorflow backend is created.
+def _register_portable_functions() -> None:
+    import autoray
+
+    def like(value: Any, ref: Any) -> Any:
+        return value if isinstance(value, tf.Tensor | tf.Variable) else tf.convert_to_tensor(value, dtype=ref.dtype)
+
+    def logsumexp(a, axis=None, keepdims=False):
+        return tf.math.reduce_logsumexp(a, axis=axis, keepdims=keepdims)
+
+    def log_softmax(x, axis=None):
+        return x - logsumexp(x, axis=axis, keepdims=True)
+
+    def softmax(x, axis=None):
+        return tf.exp(log_softmax(x, axis=axis))
+
+    def moment(sqrt: bool) -> Callable:
+        # tf.experimental.numpy's var/std fail on ddof=
+        def numpy_like(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+            if dtype is not None or out is not None:
+                raise NotImplementedError("dtype= and out= are not supported on TensorFlow tensors")
+            mean = tf.reduce_mean(a, axis=axis, keepdims=True)
+            n = tf.cast(tf.size(a) // tf.size(mean), a.dtype)
+            var = tf.reduce_sum(tf.square(a - mean), axis=axis, keepdims=keepdims) / (n - ddof)
+            return tf.sqrt(var) if sqrt else var
+
+        return numpy_like
+
+    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
+        if unit_diagonal:
+            a = tf.linalg.set_diag(a, tf.ones_like(tf.linalg.diag_part(a)))
+        vector = b.shape.rank == 1  # scipy takes a vector right-hand side, TensorFlow a matrix
+        x = tf.linalg.triangular_solve(a, b[..., None] if vector else b, lower=lower,
+                                       adjoint=trans in (1, 2, "T", "C"))
+        return x[..., 0] if vector else x
+
+    def unary(op: Callable) -> Callable:
+        def numpy_like(x):
+            return op(x)
+
+        return numpy_like
+
+    def logit(x):
+        return tf.math.log(x) - tf.math.log1p(-x)
+
+    def xlogy(x, y):
+        return tf.math.xlogy(x, like(y, x))
+
+    functions = {
+        "logsumexp": logsumexp,
+        "scipy.special.logsumexp": logsumexp,
+        "std": moment(True),
+        "var": moment(False),
+        "linalg.solve_triangular": solve_triangular,
+        "scipy.linalg.solve_triangular": solve_triangular,
+        "scipy.special.erf": unary(tf.math.erf),
+        "scipy.special.erfc": unary(tf.math.erfc),
+        "scipy.special.expit": unary(tf.math.sigmoid),
+        "scipy.special.logit": logit,
+        "scipy.special.gammaln": unary(tf.math.lgamma),
+        "scipy.special.digamma": unary(tf.math.digamma),
+        "scipy.special.xlogy": xlogy,
+        "scipy.special.softmax": softmax,
+        "scipy.special.log_softmax": log_softmax,
+    }
+    for name, fn in functions.items():
+        fn.autograph_info__ = frozenset()  # called as they are inside tf.function (see above)
+        autoray.register_function("tensorflow", name, fn)
+
+
+_register_portable_functions()

@@ -54,6 +54,9 @@ def _in_functorch() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+# Tensors this adapter made from numpy arrays, sharing their memory (held weakly).
+_SHARES_NUMPY: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
 # numpy first, torch second: numpy cannot multiply a tensor, nor convert one that requires grad
 _NUMPY_MIX = re.compile(r"'numpy\.ndarray' and 'Tensor'|Can't call numpy\(\) on Tensor that requires grad")
 _NUMPY_HINT = (
@@ -154,7 +157,10 @@ class TorchBackend(Backend):
         # torch.as_tensor rejects negative strides and warns on read-only arrays.
         if not a.flags.writeable or any(s < 0 for s in a.strides):
             a = a.copy()
-        return torch.as_tensor(a, device=self.torch_device)
+        t = torch.as_tensor(a, device=self.torch_device)
+        if t.device.type == "cpu":  # it shares the numpy array's memory (see snapshot)
+            _SHARES_NUMPY[id(t)] = t
+        return t
 
     def to_numpy(self, a: Any) -> np.ndarray:
         a = a.detach().cpu()
@@ -178,7 +184,10 @@ class TorchBackend(Backend):
         return torch.ones_like(a)
 
     def snapshot(self, a: Any) -> torch.Tensor:
-        return a.clone()  # differentiable: nested use keeps its graph
+        # Only a tensor sharing a numpy array's memory can change behind torch's back: a
+        # write into a torch tensor bumps its version counter, and autograd then refuses
+        # to use it.  clone() is differentiable: nested use keeps its graph.
+        return a.clone() if _SHARES_NUMPY.get(id(a)) is a else a
 
     def asarray_like(self, a: np.ndarray, like: Any) -> torch.Tensor:
         t = torch.as_tensor(a, device=like.device)

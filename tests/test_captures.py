@@ -103,3 +103,21 @@ def test_a_dead_object_named_by_identity_invalidates_its_plan():
     f.__closure__[0].cell_contents = None  # the Weights object dies
     gc.collect()
     assert not fn.captured_alive()  # a new object reusing its id cannot find this plan
+
+
+def act(x):
+    return x * OFFSET
+
+
+ACTS = (act,)
+
+
+def test_helpers_inside_a_captured_tuple_are_followed():
+    global OFFSET
+    f = lambda x: ACTS[0](x)  # noqa: E731
+    before = key(f)
+    OFFSET = 3.0
+    try:
+        assert key(f) != before
+    finally:
+        OFFSET = 1.0

@@ -435,3 +435,18 @@ def test_temporaries_of_killed_saves_are_cleaned_up(tmp_path):
     other.write_bytes(b"w")
     ad.save_checkpoint(path, state, model)
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.npz", mine.name, other.name])
+
+
+def test_on_windows_no_process_is_signalled_and_age_decides(tmp_path, monkeypatch):
+    from abstractdiff import _checkpoint
+
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(pid))
+    monkeypatch.setattr(os, "name", "nt")
+    fresh = tmp_path / f".ckpt.npz.{os.getpid() + 1}.abcdef.tmp"  # maybe another save in progress
+    fresh.write_bytes(b"x")
+    old = tmp_path / ".ckpt.npz.12345.abcdef.tmp"
+    old.write_bytes(b"y")
+    os.utime(old, (0, 0))
+    _checkpoint._remove_stale_temporaries(str(tmp_path), "ckpt.npz")
+    assert kills == [] and fresh.exists() and not old.exists()

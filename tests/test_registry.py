@@ -329,3 +329,24 @@ def test_backends_registered_at_run_time_are_not_installed_ones(clean_registry):
     # the conformance suite's default backends: a test's registration must not join them
     assert "run_time_fd" not in installed_backends()
     assert "finite_differences" in installed_backends()
+
+
+def test_keras_on_another_keras_backend_does_not_import_tensorflow(tmp_path):
+    """Objects of a module a backend claims (keras) only reach that backend when its own library
+    (tensorflow) is already imported."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("keras") is None or importlib.util.find_spec("jax") is None:
+        pytest.skip("needs keras and jax")
+    code = (
+        "import sys, numpy as np, keras, abstractdiff as ad\n"
+        "v = keras.Variable(np.ones(2))\n"
+        "ad.to_numpy(v)\n"
+        "print('tensorflow' in sys.modules)\n"
+    )
+    env = dict(__import__("os").environ, KERAS_BACKEND="jax")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
