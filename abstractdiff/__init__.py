@@ -44,6 +44,18 @@ from ._operators import (
     value_and_pullback,
     value_and_pushforward,
 )
+from ._prepare import (  # already imported by the backend module: nothing to defer
+    prepare_derivative,
+    prepare_gradient,
+    prepare_hessian,
+    prepare_hvp,
+    prepare_jacobian,
+    prepare_pullback,
+    prepare_pushforward,
+    prepare_value_and_gradient,
+    prepare_value_and_pullback,
+    prepare_value_and_pushforward,
+)
 from ._registry import available_backends, backend, register_backend, registered_backends
 from ._tree import register_pytree_node
 
@@ -62,14 +74,6 @@ _LAZY = {
     "save_checkpoint": "abstractdiff._checkpoint",
     "load_checkpoint": "abstractdiff._checkpoint",
     "StepInfo": "abstractdiff._train",
-    **{
-        name: "abstractdiff._prepare"
-        for name in (
-            "prepare_derivative", "prepare_gradient", "prepare_hessian", "prepare_hvp", "prepare_jacobian",
-            "prepare_pullback", "prepare_pushforward", "prepare_value_and_gradient", "prepare_value_and_pullback",
-            "prepare_value_and_pushforward",
-        )
-    },
 }
 _SUBMODULES = ("optim", "testing")
 

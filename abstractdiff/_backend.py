@@ -215,7 +215,10 @@ class Backend(DerivedOperators):
              has_aux: bool = False) -> Any:
         """The unprepared operator: prepare (through the plan cache) and call."""
         fn, xs, data = self.flatten(f, x, args, has_aux)
-        return self.preparation(cls, fn, xs, data).run(xs, data, *extra)
+        prep = fn._preparations.get((self.cache_key, cls, _signature_key(xs, data)))  # preparation()'s fast path
+        if prep is None:
+            prep = self.preparation(cls, fn, xs, data)
+        return prep.run(xs, data, *extra)
 
     # -------------------------------------------------------- public operators
     def value_and_gradient(

@@ -102,6 +102,8 @@ def _primal(y: Any, xs: list, data: list) -> Any:
     if isinstance(y, Box):
         return y
     y = np.asarray(y)
+    if y.dtype.kind != "f" or any(getattr(x, "dtype", None) == y.dtype for x in xs):
+        return y  # the common case, decided cheaply: y is no wider than an input
     floats = [a.dtype for a in (*xs, *data) if not isinstance(a, Box) and np.asarray(a).dtype.kind == "f"]
     if y.dtype.kind == "f" and floats:
         dtype = np.result_type(*floats)
