@@ -56,15 +56,12 @@ class JaxBackend(Backend):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
         super().__init__(device=device, compile=compile)
         self.compile = compile
+        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         self._device = self._device_object(self.device)
         self._scoped_device = self._device != jax.devices()[0]
         #: Python executions of user functions under this backend's transforms; a
         #: compiled call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
-
-    @property
-    def reuses_traces(self) -> bool:  # type: ignore[override]
-        return self.compile
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:

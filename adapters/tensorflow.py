@@ -97,14 +97,11 @@ class TensorFlowBackend(Backend):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
         super().__init__(device=device, compile=compile)
         self.compile = compile
+        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         index = self.device.partition(":")[2]
         self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{index}"
         #: Number of times a tf.function body was traced (tests assert it stays put).
         self.trace_count = 0
-
-    @property
-    def reuses_traces(self) -> bool:  # type: ignore[override]
-        return self.compile
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:

@@ -24,6 +24,7 @@ control flow on tensors into graph breaks rather than errors, so there is no
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 import warnings
@@ -67,19 +68,20 @@ _NUMPY_HINT = (
 )
 
 
-def _hinted(fn: FlatFn) -> FlatFn:
-    """``fn`` adding a hint to the user's own exception when it comes from a numpy/torch mix-up
-    (the exception itself is raised again, type and message unchanged)."""
+def _explains_numpy_mix(method: Callable) -> Callable:
+    """A flat operator that adds a hint to the user's own exception when it comes from a
+    numpy/torch mix-up (the exception is raised again, type and message unchanged)."""
 
-    def call(xs: list, data: list) -> tuple:
+    @functools.wraps(method)
+    def operator(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(xs, data)
+            return method(*args, **kwargs)
         except (TypeError, RuntimeError) as err:
             if _NUMPY_MIX.search(str(err)) and _NUMPY_HINT not in getattr(err, "__notes__", ()):
                 err.add_note(_NUMPY_HINT)
             raise
 
-    return call
+    return operator
 
 
 class _AuxCarrier:
@@ -117,14 +119,11 @@ class TorchBackend(Backend):
             )
         super().__init__(device=device, compile=compile)
         self.compile = compile
+        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         self.torch_device = torch.device(self.device)
         #: How many graphs torch.compile has compiled for this backend (a test hook: a repeated
         #: call with the same function, structure, shapes and dtypes must not add one).
         self.compilations = 0
-
-    @property
-    def reuses_traces(self) -> bool:  # type: ignore[override]
-        return bool(self.compile)
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -297,10 +296,9 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------- compilation
     def _forward(self, fn: FlatFn) -> FlatFn:
-        """``fn`` (with a hint on numpy/torch mix-ups), or its ``torch.compile``d twin, cached
-        in ``fn``'s artefacts."""
+        """``fn``, or its ``torch.compile``d twin, cached in ``fn``'s artefacts."""
         if not self.compile or not isinstance(fn, FlatFunction):
-            return _hinted(fn)
+            return fn
         store = fn.artefacts(self, "torch.compile")
         forward = store.peek("forward")
         if forward is not None:
@@ -387,6 +385,7 @@ class TorchBackend(Backend):
     def _detached(tree: Any) -> Any:
         return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
+    @_explains_numpy_mix
     def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         # A compiled backward refuses retain_graph=True (AOTAutograd donates its buffers), and
         # a pullback may be called many times: compiled functions take the torch.func route.
@@ -419,6 +418,7 @@ class TorchBackend(Backend):
             return y, aux, vjp
         return y.detach(), self._detached(aux), vjp
 
+    @_explains_numpy_mix
     def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
         if _in_functorch():
             carrier = _AuxCarrier()
@@ -447,6 +447,7 @@ class TorchBackend(Backend):
         return y.detach(), (None if aux is None else self._detached(aux)), grads
 
     # ------------------------------------------------------------ forward mode
+    @_explains_numpy_mix
     def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         y, aux = self._forward(fn)(xs, data)
         value = self._value_fn(fn, data)
@@ -457,6 +458,7 @@ class TorchBackend(Backend):
         return self._tensor(y), aux, jvp
 
     # ------------------------------------------------------------ composed
+    @_explains_numpy_mix
     def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
         value = self._value_fn(fn, data)
 
@@ -478,9 +480,11 @@ class TorchBackend(Backend):
         jacs, y = transform(with_value, argnums=tuple(range(len(xs))), has_aux=True)(*xs)
         return y, list(jacs)
 
+    @_explains_numpy_mix
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
         return torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0])
 
+    @_explains_numpy_mix
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
