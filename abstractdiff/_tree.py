@@ -319,23 +319,29 @@ def is_complex_dtype(dtype: Any) -> bool:
 
 def check_output(y: Any) -> Any:
     """``f``'s primary output must be a real array or a Python number."""
-    if is_array(y):
-        dtype = y.dtype
-        if getattr(dtype, "kind", None) == "O":  # a numpy object array
-            raise InvalidOutputError(
-                "f returned an array of Python objects (dtype object): traced values leaked into a "
-                "numpy call. A function taking a list (concatenate, stack, array) dispatches on its "
-                "first element, so [numpy_data, x] calls numpy and holds x's traced values as objects; "
-                "pass like=x (autoray.do('concatenate', [data, x], like=x)) or convert the numpy data "
-                "with the backend first (b.asarray(data))"
-            )
-        if is_complex_dtype(dtype):
-            raise InvalidOutputError(
-                f"f returned a complex array ({dtype}); abstractdiff differentiates real functions only, "
-                f"and would silently drop the imaginary part: return the real and imaginary parts as "
-                f"separate real outputs (e.g. stack them), or a real function of them such as abs(y)**2"
-            )
-        return y
+    if type(y) not in _ARRAY_TYPES:  # the hot path: an array type met before skips two hasattr
+        if not is_array(y):
+            return _scalar_output(y)
+        _ARRAY_TYPES.add(type(y))
+    dtype = y.dtype
+    if getattr(dtype, "kind", None) == "O":  # a numpy object array
+        raise InvalidOutputError(
+            "f returned an array of Python objects (dtype object): traced values leaked into a "
+            "numpy call. A function taking a list (concatenate, stack, array) dispatches on its "
+            "first element, so [numpy_data, x] calls numpy and holds x's traced values as objects; "
+            "pass like=x (autoray.do('concatenate', [data, x], like=x)) or convert the numpy data "
+            "with the backend first (b.asarray(data))"
+        )
+    if is_complex_dtype(dtype):
+        raise InvalidOutputError(
+            f"f returned a complex array ({dtype}); abstractdiff differentiates real functions only, "
+            f"and would silently drop the imaginary part: return the real and imaginary parts as "
+            f"separate real outputs (e.g. stack them), or a real function of them such as abs(y)**2"
+        )
+    return y
+
+
+def _scalar_output(y: Any) -> Any:
     if isinstance(y, (int, float)) and not isinstance(y, bool):
         return np.asarray(y, dtype=np.float64)
     if isinstance(y, complex):
