@@ -63,6 +63,9 @@ class Job:
     dtype: str
     implicit: bool
     scenarios: tuple[str, ...] | None
+    # the switching family (one function at several dtypes and shapes) crosses dtypes: it
+    # runs once per backend and device, in the job of the first dtype, unless scenarios are chosen
+    switching: bool = False
 
 
 @dataclass
@@ -179,7 +182,8 @@ def run_job(job: Job, tick: Callable[[str], None] | None = None) -> JobResult:
             out.approximate.append(name)
         label = f"{name} {job.device} {job.dtype}"
         out.reports.append(testing.check_backend(
-            target, scenarios, progress=(lambda s, label=label: tick(label)) if tick else None))
+            target, scenarios, progress=(lambda s, label=label: tick(label)) if tick else None,
+            switching=job.switching))
     return out
 
 
@@ -278,8 +282,8 @@ def plan(args: argparse.Namespace) -> Plan:
             (problems if name in requested else notes).append(problem)
         else:
             runnable.append(name)
-    jobs = [Job(name, kind, dtype, implicit, scenarios) for name in runnable for kind in DEVICES[args.device]
-            for dtype in dtypes]
+    jobs = [Job(name, kind, dtype, implicit, scenarios, switching=scenarios is None and dtype == dtypes[0])
+            for name in runnable for kind in DEVICES[args.device] for dtype in dtypes]
     if args.no_training:
         parity_skip = "training parity: skipped (--no-training)"
     elif importlib.util.find_spec(PARITY_MODULE) is None:

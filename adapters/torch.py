@@ -84,6 +84,15 @@ def _explains_numpy_mix(method: Callable) -> Callable:
     return operator
 
 
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``ref``'s float dtype.  torch 2.13's forward mode promotes a product with a
+    Python float (``0.25 * s * s``) to float64 in float32 code (jvp, jacfwd, and the forward
+    half of hessian and hvp), where every other route and library keeps float32."""
+    if t.dtype != ref.dtype and t.is_floating_point() and ref.is_floating_point():
+        return t.to(ref.dtype)
+    return t
+
+
 class _AuxCarrier:
     """``aux`` through ``torch.func``'s ``has_aux``, which carries tensors only: the rest waits here."""
 
@@ -452,10 +461,12 @@ class TorchBackend(Backend):
         y, aux = self._forward(fn)(xs, data)
         value = self._value_fn(fn, data)
 
-        def jvp(ts: list) -> torch.Tensor:
-            return torch.func.jvp(value, tuple(xs), tuple(ts))[1]
+        y = self._tensor(y)
 
-        return self._tensor(y), aux, jvp
+        def jvp(ts: list) -> torch.Tensor:
+            return _like(torch.func.jvp(value, tuple(xs), tuple(ts))[1], y)
+
+        return y, aux, jvp
 
     # ------------------------------------------------------------ composed
     @_explains_numpy_mix
@@ -478,20 +489,18 @@ class TorchBackend(Backend):
         n_in = sum(x.numel() for x in xs)
         transform = torch.func.jacfwd if n_out > n_in else torch.func.jacrev
         jacs, y = transform(with_value, argnums=tuple(range(len(xs))), has_aux=True)(*xs)
-        return y, list(jacs)
+        return y, [_like(j, y) for j in jacs]
 
     @_explains_numpy_mix
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
-        return torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0])
+        return _like(torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0]), xs[0])
 
     @_explains_numpy_mix
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
         hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))[1]
-        # torch 2.13's forward-over-reverse promotes a product with a Python float
-        # (0.25 * s * s) to float64 in float32 code: keep the input's dtype
-        return [h if h.dtype == x.dtype else h.to(x.dtype) for h, x in zip(hv, xs)]
+        return [_like(h, x) for h, x in zip(hv, xs)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -245,3 +245,35 @@ def test_a_prepared_operator_that_drifts_from_the_unprepared_one_is_reported():
     assert failures and all(f.message.startswith("gradient") for f in failures), report
     assert any("prepared and unprepared must agree" in f.message for f in failures), report
     assert all(f.operator == "prepared" for f in report.failures)  # the unprepared operators pass
+
+
+# ------------------------------------------------------------- the switching family
+class CachesByFunctionAlone(FiniteDifferencesBackend):
+    """Keeps one route per function object, forgetting dtype and shape: the route remembers
+    the gradient dtype of the first call and casts every later gradient to it."""
+
+    def flat_value_and_gradient(self, fn, xs, data):
+        y, aux, grads = super().flat_value_and_gradient(fn, xs, data)
+        first = self.__dict__.setdefault("_routes", {}).setdefault(id(getattr(fn, "f", fn)), grads[0].dtype)
+        return y, aux, [g.astype(first) for g in grads]
+
+
+def test_a_backend_caching_by_function_alone_passes_the_grid_but_not_the_switching_family():
+    b = CachesByFunctionAlone()
+    grid = testing.check_backend(b, testing.default_scenarios())  # one function per dtype: no switch
+    assert grid.ok, grid
+    report = testing.check_backend(b, testing.default_scenarios("float64", ["sum_squares"]), switching=True)
+    failures = [str(f) for f in report.failures]
+    assert failures and all("switching_" in f for f in failures), report
+    assert any("@1[float32]" in f and "dtype float64, expected float32" in f for f in failures), failures
+
+
+def test_the_switching_family_shares_one_function_per_family_and_changes_dtype_then_shape():
+    for family in testing.switching_scenarios():
+        assert len({id(step.f) for step in family.steps}) == 1
+        dtypes = [step.dtype for step in family.steps]
+        assert dtypes[:3] == ["float64", "float32", "float64"]
+    sizes = [np.size(step.x) for step in testing.switching_scenarios()[0].steps]
+    assert sizes[-1] != sizes[0]
+    fd = testing.check_backend("finite_differences", [], switching=True)
+    assert fd.ok and {r.name.split("@")[0] for r in fd.results} == {f.name for f in testing.switching_scenarios()}

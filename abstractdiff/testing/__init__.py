@@ -30,7 +30,7 @@ from ._check import (
     default_rtol,
     is_approximate,
 )
-from ._scenarios import OPERATORS, Scenario, default_scenarios, scenario_names
+from ._scenarios import OPERATORS, Scenario, Switching, default_scenarios, scenario_names, switching_scenarios
 
 __all__ = [
     "OPERATORS",
@@ -38,6 +38,7 @@ __all__ = [
     "Report",
     "Result",
     "Scenario",
+    "Switching",
     "assert_backend",
     "backend_label",
     "check_backend",
@@ -47,4 +48,5 @@ __all__ = [
     "default_scenarios",
     "is_approximate",
     "scenario_names",
+    "switching_scenarios",
 ]

@@ -21,7 +21,7 @@ from .._backend import Backend
 from .._convert import to_numpy
 from .._errors import InvalidArgumentError
 from .._tree import is_array, is_float_dtype
-from ._scenarios import OPERATORS, SECOND_ORDER, Scenario, default_scenarios
+from ._scenarios import OPERATORS, SECOND_ORDER, Scenario, default_scenarios, switching_scenarios
 
 __all__ = [
     "Failure",
@@ -554,6 +554,7 @@ def check_backend(
     atol: float | None = None,
     operators: Sequence[str] | None = None,
     progress: Callable[[Scenario], None] | None = None,
+    switching: bool | None = None,
 ) -> Report:
     """Run every applicable operator of every scenario on ``b`` and check the results.
 
@@ -566,7 +567,11 @@ def check_backend(
     (``ad.Implicit(b)``) runs the scenarios with ``x`` turned into variables and
     checks gradient, value_and_gradient and pullback.  Exceptions are recorded as
     failures, never raised.  ``operators`` restricts the operators run; ``progress``
-    is called after each scenario.
+    is called after each scenario.  ``switching`` adds the switching family
+    (:func:`switching_scenarios`: one function object called at float64, float32,
+    float64 and a new shape in turn, every operator and prepared operator at each step,
+    which catches caches keyed on the function alone); by default it runs when
+    ``scenarios`` is not given, on explicit backends.
 
     Example:
         >>> from abstractdiff import testing
@@ -577,6 +582,7 @@ def check_backend(
     from .._registry import backend as get_backend
 
     b = get_backend(b)
+    scenarios_given = scenarios is not None
     scenarios = default_scenarios() if scenarios is None else list(scenarios)
     label = backend_label(b)
     report = Report(label, b.device)
@@ -603,6 +609,16 @@ def check_backend(
                                                report=report, record_as=NUMPY_INPUTS))
         if progress is not None:
             progress(s)
+    if (scenarios_given is False if switching is None else switching) and not implicit:
+        for family in switching_scenarios():
+            for step in family.steps:  # in order: the point is what one step leaves to the next
+                ops = [op for op in step.operators if operators is None or op in operators]
+                for op in ops:
+                    report.results.append(
+                        _run_one(b, step, op, numpy_inputs=False, rtol=rtol, atol=atol, label=label, report=report)
+                    )
+                if ops:
+                    report.results.append(_run_prepared(b, step, ops, rtol=rtol, atol=atol, label=label, report=report))
     return report
 
 

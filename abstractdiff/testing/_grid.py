@@ -117,7 +117,9 @@ def report_for(b: Backend, dtype: str, names: tuple[str, ...] | None = None) -> 
     # name with different options must not share a report.
     key = (backend_label(b), repr(b), dtype, names)
     if key not in _REPORTS:
-        _REPORTS[key] = check_backend(b, default_scenarios(dtype, names))
+        # the switching family crosses dtypes: it runs with the float64 report of the full grid
+        switching = dtype == "float64" and names is None and not b.implicit
+        _REPORTS[key] = check_backend(b, default_scenarios(dtype, names), switching=switching)
     return _REPORTS[key]
 
 

@@ -19,7 +19,7 @@ import optree
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._tree import is_array, is_float_dtype
 
-__all__ = ["OPERATORS", "Scenario", "default_scenarios", "scenario_names"]
+__all__ = ["OPERATORS", "Scenario", "Switching", "default_scenarios", "scenario_names", "switching_scenarios"]
 
 #: Every operator the harness knows, in table order.
 OPERATORS: tuple[str, ...] = (
@@ -613,3 +613,108 @@ def scenario_names() -> list[str]:
         True
     """
     return [s.name for s in default_scenarios("float64")]
+
+
+# ------------------------------------------------------------------- switching family
+@dataclass(eq=False)
+class Switching:
+    """One function object called in sequence at several input signatures.
+
+    ``Switching(name, steps)``: every step is a :class:`Scenario` with the *same* ``f``
+    (float64, then float32, then float64 again, then a new shape), so a cache that keys
+    on the function alone, forgetting the dtype, the shape or the backend's options,
+    returns a wrong value or dtype at some step.  :func:`check_backend` runs every
+    operator and every prepared operator at every step, in order.
+    """
+
+    name: str
+    steps: list[Scenario]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if len({id(s.f) for s in self.steps}) != 1:
+            raise InvalidArgumentError(f"Switching {self.name!r}: every step must share one function object")
+
+
+def _sech2(u: np.ndarray) -> np.ndarray:
+    return 1.0 - np.tanh(u) ** 2
+
+
+def _poly_tanh(f: Callable[..., Any], dt: str, n: int, seed: int) -> Scenario:
+    rng = _rng(seed)
+    x = rng.uniform(-1, 1, n).astype(dt)
+    u = _up(x)
+    s = float(np.sum(u**2))
+    t, q = np.tanh(u), _sech2(u)
+    value = np.sum(u**2 * t) + 0.25 * s**2
+    grad = 2 * u * t + u**2 * q + s * u
+    hess = np.diag(2 * t + 4 * u * q - 2 * u**2 * q * t + s) + 2 * np.outer(u, u)
+    return Scenario(
+        "switching_poly_tanh", f, x, value=value, gradient=grad, jacobian=grad, hessian=hess,
+        tangent=_tangent_like(x, rng), description="sum(x^2 tanh x) + (sum x^2)^2 / 4",
+    )
+
+
+def _elementwise(f: Callable[..., Any], dt: str, n: int, seed: int) -> Scenario:
+    rng = _rng(seed)
+    x = rng.uniform(-1, 1, n).astype(dt)
+    c = rng.uniform(-2, 2, n).astype(dt)
+    u, cu = _up(x), _up(c)
+    return Scenario(
+        "switching_elementwise", f, x, (c,), value=np.sin(u) * cu + u**2, jacobian=np.diag(np.cos(u) * cu + 2 * u),
+        tangent=_tangent_like(x, rng), cotangent=rng.uniform(-1, 1, n).astype(dt),
+        description="sin(x) * c + x^2 with data in args: jacobian, pullback, pushforward",
+    )
+
+
+def _scalar_switch(f: Callable[..., Any], dt: str, value: float) -> Scenario:
+    x = np.asarray(value, dtype=dt)
+    u = float(x)
+    d1 = math.cos(u) * u**2 + 2 * u * math.sin(u)
+    d2 = (2 - u**2) * math.sin(u) + 4 * u * math.cos(u)
+    return Scenario(
+        "switching_scalar", f, x, value=np.asarray(math.sin(u) * u**2), gradient=np.asarray(d1),
+        derivative=np.asarray(d1), jacobian=np.asarray(d1), hessian=np.asarray(d2),
+        tangent=np.asarray(0.5, dtype=dt), description="scalar x: derivative and every other operator",
+    )
+
+
+#: (dtype, size) of the steps: float64, float32, float64 again, then a new shape.
+SWITCHING_STEPS: tuple[tuple[str, int], ...] = (("float64", 4), ("float32", 4), ("float64", 4), ("float64", 6))
+
+
+def switching_scenarios() -> list[Switching]:
+    """The switching family: each entry one function object, called at every step of
+    :data:`SWITCHING_STEPS` (a scalar ``x`` cannot change shape: its steps change dtype and value).
+
+    ``switching_scenarios() -> list[Switching]``; fresh function objects on every call, so
+    that one check never sees another's caches.
+
+    Example:
+        >>> [(s.name, len(s.steps)) for s in switching_scenarios()]
+        [('switching_poly_tanh', 4), ('switching_elementwise', 4), ('switching_scalar', 4)]
+    """
+    anp = _ar()
+
+    def poly_tanh(x):
+        s2 = anp.sum(x * x)
+        return anp.sum(x * x * anp.tanh(x)) + 0.25 * s2 * s2
+
+    def elementwise(x, c):
+        return anp.sin(x) * c + x**2
+
+    def scalar(x):
+        return anp.sin(x) * x**2
+
+    families = [
+        Switching("switching_poly_tanh", [_poly_tanh(poly_tanh, dt, n, 11 + i) for i, (dt, n) in
+                                          enumerate(SWITCHING_STEPS)]),
+        Switching("switching_elementwise", [_elementwise(elementwise, dt, n, 21 + i) for i, (dt, n) in
+                                            enumerate(SWITCHING_STEPS)]),
+        Switching("switching_scalar", [_scalar_switch(scalar, dt, 0.4 + 0.1 * i) for i, (dt, _) in
+                                       enumerate(SWITCHING_STEPS)]),
+    ]
+    for family in families:  # one report row per step: switching_poly_tanh@2[float64]...
+        for i, step in enumerate(family.steps):
+            step.name = f"{family.name}@{i}"
+    return families
