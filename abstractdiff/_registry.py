@@ -53,6 +53,9 @@ _BUILTIN: dict[str, _Entry] = {
         modules=("tensorflow", "keras", "tf_keras"),
     ),
     "torch": _Entry("abstractdiff.adapters.torch:TorchBackend", ("torch",), "torch"),
+    "mlx": _Entry("abstractdiff.adapters.mlx:MLXBackend", ("mlx",), "mlx"),
+    "paddle": _Entry("abstractdiff.adapters.paddle:PaddleBackend", ("paddle",), "paddle"),
+    "pytensor": _Entry("abstractdiff.adapters.pytensor:PyTensorBackend", ("pytensor",), "pytensor"),
     "implicit": _Entry("abstractdiff._implicit_backend:Implicit"),
 }
 
