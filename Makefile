@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[all,test,docs]"
 	touch $@
 
+# PyTensor's default mode compiles each new function with Numba (about a second each, cached
+# in ~/.pytensor): the check compiles hundreds, so it uses FAST_COMPILE unless you set the flags.
 demo: $(STAMP)
-	$(VENV)/bin/abstractdiff check
+	PYTENSOR_FLAGS="$${PYTENSOR_FLAGS:-mode=FAST_COMPILE}" $(VENV)/bin/abstractdiff check
 
 test: $(STAMP)
 	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples

@@ -16,7 +16,10 @@ def ar() -> Any:
 
 
 def shape_of(a: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in a.shape)
+    try:
+        return tuple(int(d) for d in a.shape)
+    except TypeError:  # a symbolic shape (PyTensor's x.shape is a graph): the static one autoray reads
+        return tuple(int(d) for d in ar().shape(a))
 
 
 def size_of(a: Any) -> int:

@@ -318,6 +318,16 @@ def _find_owner(obj: Any) -> Backend | None:
     t = type(obj)
     if t is np.ndarray or isinstance(obj, np.generic):
         return None
+    # 0. a class an adapter module defines for its library (MLX has no variable objects: its
+    #    adapter's parameter references stand for arrays of an mlx.nn.Module) is that backend's
+    for c in t.__mro__:
+        module = getattr(c, "__module__", None) or ""
+        if module.startswith("abstractdiff.adapters."):
+            for name, entry in list(_registry.items()):
+                if isinstance(entry.target, str) and entry.target.partition(":")[0] == module:
+                    b = _quiet_backend(name)
+                    if b is not None and owns(b, obj):
+                        return b
     mods = _modules_of(t)
     if not mods:
         return None

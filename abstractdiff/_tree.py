@@ -49,15 +49,21 @@ def is_float_dtype(dtype: Any) -> bool:
     if flag is not None:
         result = bool(flag)
     else:
-        try:
-            result = np.dtype(dtype).name.startswith(("float", "bfloat"))
-        except TypeError:
-            result = False
+        result = dtype_text(dtype).startswith(("float", "bfloat"))
     try:
         _FLOAT_DTYPES[dtype] = result
     except TypeError:
         pass
     return result
+
+
+def dtype_text(dtype: Any) -> str:
+    """A dtype's plain name: numpy's (``"float32"``), else the last dotted part of its text
+    (``paddle.float64`` -> ``"float64"``, ``mlx.core.float32`` -> ``"float32"``)."""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype).rpartition(".")[2].lower()
 
 
 def is_array(obj: Any) -> bool:
@@ -306,10 +312,7 @@ def is_complex_dtype(dtype: Any) -> bool:
     if flag is not None and not callable(flag):
         result = bool(flag)
     else:
-        try:
-            result = np.dtype(dtype).kind == "c"
-        except TypeError:
-            result = False
+        result = dtype_text(dtype).startswith("complex")
     try:
         _COMPLEX_DTYPES[dtype] = result
     except TypeError:

@@ -21,7 +21,7 @@ from . import import_time, memory
 from .harness import Result, run_backend
 from .workloads import WORKLOADS
 
-BACKENDS = ("jax", "torch", "tensorflow", "autograd")
+BACKENDS = ("jax", "torch", "tensorflow", "autograd", "mlx", "paddle", "pytensor")
 TARGETS = {"tiny": (1.15, None), "gmm": (1.05, 1.10), "mlp": (1.05, 1.10)}  # (prepared, unprepared)
 
 

@@ -100,7 +100,65 @@ def native_autograd(wl: Workload, x: Any, args: tuple) -> Call:
     return call
 
 
-NATIVE = {"torch": native_torch, "jax": native_jax, "tensorflow": native_tensorflow, "autograd": native_autograd}
+def native_mlx(wl: Workload, x: Any, args: tuple) -> Call:
+    import mlx.core as mx
+
+    static = _static_positions(args)
+    dynamic = [a for i, a in enumerate(args) if i not in static]
+
+    def loss(x: Any, *dyn: Any) -> Any:
+        it = iter(dyn)
+        return wl.f(x, *[a if i in static else next(it) for i, a in enumerate(args)])
+
+    vg = mx.compile(mx.value_and_grad(loss))
+
+    def call() -> Any:
+        out = vg(x, *dynamic)
+        mx.eval(out)  # MLX is lazy: time the computation, not the graph building
+        return out
+
+    return call
+
+
+def native_paddle(wl: Workload, x: Any, args: tuple) -> Call:
+    import paddle
+
+    leaves, treedef = optree.tree_flatten(x)
+
+    def call() -> Any:
+        params = [p.detach() for p in leaves]
+        for p in params:
+            p.stop_gradient = False
+        y = wl.f(optree.tree_unflatten(treedef, params), *args)
+        return y, paddle.grad(y, params)
+
+    return call
+
+
+def native_pytensor(wl: Workload, x: Any, args: tuple) -> Call:
+    import pytensor
+    import pytensor.tensor as pt
+
+    leaves, treedef = optree.tree_flatten(x)
+    static = _static_positions(args)
+    sym_x = [pt.tensor(dtype=str(a.dtype), shape=a.shape) for a in leaves]
+    sym_args = [a if i in static else pt.tensor(dtype=str(a.dtype), shape=a.shape) for i, a in enumerate(args)]
+    y = wl.f(optree.tree_unflatten(treedef, sym_x), *sym_args)
+    grads = pytensor.grad(y, sym_x)
+    inputs = sym_x + [a for i, a in enumerate(sym_args) if i not in static]
+    fn = pytensor.function(inputs, [y, *grads])  # compiled once: the idiomatic PyTensor call
+    values = list(leaves) + [a for i, a in enumerate(args) if i not in static]
+
+    def call() -> Any:
+        return fn(*values)
+
+    return call
+
+
+NATIVE = {
+    "torch": native_torch, "jax": native_jax, "tensorflow": native_tensorflow, "autograd": native_autograd,
+    "mlx": native_mlx, "paddle": native_paddle, "pytensor": native_pytensor,
+}
 
 
 def eagerpy_call(wl: Workload, b: ad.Backend, x: Any, args: tuple) -> Call | str:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import autoray
 import numpy as np
 from autoray import do
 from autoray import numpy as anp
@@ -82,8 +83,8 @@ def _logsumexp(a: Any, axis: int | None = None) -> Any:
 
 def gmm_objective(params: dict, x: Any, scatter: Any, gamma: float, m: int) -> Any:
     alphas, means, icf = params["alphas"], params["means"], params["icf"]
-    n, d = x.shape
-    k = alphas.shape[0]
+    n, d = autoray.shape(x)  # Python ints on every backend (PyTensor's x.shape is symbolic)
+    k = autoray.shape(alphas)[0]
     log_qdiag = icf[:, :d]
     qdiags = anp.exp(log_qdiag)
     sum_qs = anp.sum(log_qdiag, axis=1)

@@ -18,7 +18,7 @@ import abstractdiff as ad
 from abstractdiff import optim
 from abstractdiff._implicit import current_values
 
-EXPLICIT = [name for name in ("finite_differences", "autograd", "jax", "tensorflow", "torch")]
+EXPLICIT = ["finite_differences", "autograd", "jax", "tensorflow", "torch", "mlx", "paddle", "pytensor"]
 
 
 @pytest.fixture(params=EXPLICIT)
@@ -246,6 +246,9 @@ def test_a_captured_numpy_array_times_a_tensor_is_explained_or_works(b):
     w = np.array([1.0, 2.0])
     try:
         g = ad.gradient(b, lambda x: anp.sum(w * x), np.ones(2))
+    except ad.InvalidOutputError as err:  # mlx, paddle: numpy converted the array and dropped its derivative
+        assert "as an argument" in str(err) or "like=x" in str(err)
+        return
     except TypeError as err:  # torch: numpy cannot multiply a tensor; the note says what to do
         assert any("Pass the array to f as an argument" in note for note in getattr(err, "__notes__", ()))
         return

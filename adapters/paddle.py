@@ -1,0 +1,1003 @@
+"""PaddlePaddle: reverse mode with ``paddle.grad``, forward mode by the double-vjp trick.
+
+Reverse mode (gradient, pullback, Jacobian rows, Hessian rows, and the Hessian-vector
+product as reverse over reverse) runs ``paddle.grad`` on detached copies of the inputs
+with ``stop_gradient=False``: the caller's tensors keep their ``stop_gradient`` flag, and
+nothing calls ``.backward()`` or writes any ``.grad``.
+
+Forward mode is the double-vjp trick (https://j-towns.github.io/2017/06/12/A-new-trick.html):
+the pullback ``u -> J^T u`` is linear in the cotangent ``u``, so its own pullback at ``t``
+is ``J t``.  ``paddle.incubate.autograd.jvp`` does this in dynamic mode too (its
+primitive-based forward mode needs static graphs), but it fails on ``sum(x**2)`` in
+paddle 3.3 ("The output DenseTensor DX can not be nullptr"), runs ``f`` again for every
+tangent and is a beta API.  Here one forward pass and one ``J^T u`` graph serve every
+tangent of a pushforward, with a way around each of paddle's failures
+(:data:`_DOUBLE_VJP_ROUTES`).
+
+paddle 3.3 has no second derivative for some ops (max, prod, softmax...): the autoray
+translations at the end of this module give the usual numpy names twice-differentiable
+versions, and errors from the others carry a note saying so.
+
+Nested use: when an input already has ``stop_gradient=False`` and grad mode is on, we are
+inside an outer differentiation (an abstractdiff operator called in a function being
+differentiated, or the caller's own ``paddle.grad``); inputs are then aliased rather than
+detached and derivatives are built with ``create_graph=True``.
+
+``compile=True`` converts the user's function with ``paddle.jit.to_static`` (its AST mode,
+``full_graph=True``) once per function, input structure and static leaves, and
+differentiates the program in dynamic mode.  For float32 first-order reverse mode only:
+float64, forward mode, second order and nested use run ``f`` eagerly (see
+:meth:`PaddleBackend._forward` for why).  A function paddle cannot convert (a lambda, one
+without source) runs eagerly, with a warning.  On the CPU the program is not faster than
+dynamic mode: ``compile=False`` is the default.
+
+Paddle's global mode is left alone: if the user switched paddle to static mode
+(``paddle.enable_static()``), each operator, hook and returned closure runs inside a
+dynamic-mode scope and paddle is back in static mode when it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import sys
+import threading
+import types
+import warnings
+import weakref
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import optree
+
+from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._errors import (
+    ArgumentTypeError,
+    DeviceError,
+    InvalidOutputError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+)
+from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
+
+
+def _import_paddle() -> types.ModuleType:
+    """``import paddle``, safely after TensorFlow.
+
+    With TensorFlow already imported, loading libpaddle crashes the process (a segfault
+    while the extension module initialises; TensorFlow 2.21 and paddle 3.3 on Linux): a
+    clash of native symbols between the two, which ``RTLD_DEEPBIND`` (libpaddle resolves
+    its symbols in its own libraries first) avoids.  The flag is set only for this import,
+    only when TensorFlow is loaded, and restored afterwards.  A user who imports paddle
+    themselves after TensorFlow still crashes, inside paddle: import paddle first, or create
+    the backend (``ad.backend("paddle")``) before importing paddle.
+    """
+    if "paddle" in sys.modules:
+        return sys.modules["paddle"]
+    deep_bind = "tensorflow" in sys.modules and hasattr(os, "RTLD_DEEPBIND")
+    old = sys.getdlopenflags()
+    if deep_bind:
+        sys.setdlopenflags(old | os.RTLD_DEEPBIND)
+    try:
+        with warnings.catch_warnings():
+            # paddle warns at import time that ccache (for compiling C++ extensions) is missing
+            warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+            import paddle
+    finally:
+        if deep_bind:
+            sys.setdlopenflags(old)
+    return paddle
+
+
+paddle = _import_paddle()
+
+FlatFn = Callable[[list, list], tuple]
+# paddle's arrays: eager tensors, and the symbolic values f sees while to_static traces it
+_ARRAYS = (paddle.Tensor, paddle.pir.Value)
+_DEVICE = re.compile(r"^(cpu|gpu|cuda)(?::(\d+))?$")
+
+# Tensors this adapter made from numpy arrays (held weakly): nobody else holds them, so
+# nobody can write into them (see snapshot).
+_OWN: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _dynamic_mode() -> contextlib.AbstractContextManager[Any]:
+    """A dynamic-mode scope if the user switched paddle to static mode, else nothing.
+
+    Every operator runs in dynamic mode; ``paddle.enable_static()`` is a global switch of
+    the user's, which this scope leaves as it was when it exits.
+    """
+    if paddle.in_dynamic_mode():
+        return contextlib.nullcontext()
+    return paddle.base.dygraph.guard()
+
+
+def _dynamic(method: Callable) -> Callable:
+    """A method that runs in dynamic mode (see :func:`_dynamic_mode`)."""
+
+    @functools.wraps(method)
+    def in_dynamic_mode(*args: Any, **kwargs: Any) -> Any:
+        if paddle.in_dynamic_mode():  # the common case: no context manager to enter
+            return method(*args, **kwargs)
+        with paddle.base.dygraph.guard():
+            return method(*args, **kwargs)
+
+    return in_dynamic_mode
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _recording() -> contextlib.AbstractContextManager[Any]:
+    """Grad mode on (the caller may be under ``paddle.no_grad()``), in dynamic mode."""
+    if paddle.in_dynamic_mode() and paddle.is_grad_enabled():  # the common case: nothing to enter
+        return _NOTHING
+    return _recording_scope()
+
+
+@contextlib.contextmanager
+def _recording_scope() -> Iterator[None]:
+    with _dynamic_mode(), paddle.enable_grad():
+        yield
+
+
+#: The routes of the double-vjp trick, in the order they are tried.  paddle 3.3's second
+#: pullback fails in two ways: asked for ``u`` alone, some double-grad kernels want the
+#: input's gradient too ("The output DenseTensor DX can not be nullptr": pow, so x**2, and
+#: paddle.incubate.autograd.jvp with it); asked for the inputs too, it fails where ``J^T u``
+#: does not depend on them ("Unable to fill empty grad inputs": concat).  And an op without
+#: a second derivative (softmax, sort...) fails both: the last route builds ``J`` by pullbacks.
+_DOUBLE_VJP_ROUTES = ("u and inputs", "u", "jacobian")
+
+#: What paddle says when an op has no derivative of its gradient (max, prod, softmax...).
+_NO_SECOND_DERIVATIVE = "doesn't have any grad op"
+#: What paddle 3.3 says when a double-grad kernel wants the gradient of an input nobody
+#: asked for (pow's: the derivative of an inner gradient of x**2 with respect to other inputs).
+_MISSING_INPUT_GRADIENT = "can not be nullptr"
+_SECOND_DERIVATIVE_HINT = (
+    "paddle backend: f uses an op whose gradient paddle 3.3 cannot differentiate (its *_grad op has no grad "
+    "op: max, min, prod, cumprod, logsumexp, softmax, log_softmax, linalg.norm, sort, einsum and strided "
+    "slices x[::2] among others), and second derivatives (hessian, hvp, an operator nested in another) need "
+    "one. Through autoray, max, min, prod, logsumexp, softmax and log_softmax are translated to ops that "
+    "paddle differentiates twice; elsewhere, write f with such ops."
+)
+_POW_HINT = (
+    "paddle backend: paddle 3.3's higher-order derivative kernels of pow (x**k) fail in some nested "
+    "uses (a third derivative, or an outer derivative through an inner pushforward); written as a "
+    "product (x * x * x), the same function avoids them."
+)
+#: (what paddle says, the note abstractdiff adds) for paddle's higher-order failures
+_HINTS = (
+    (_NO_SECOND_DERIVATIVE, _SECOND_DERIVATIVE_HINT),
+    (_MISSING_INPUT_GRADIENT, _POW_HINT),
+    ("MetaTensor is not initialized", _POW_HINT),
+)
+
+
+def _operator(method: Callable) -> Callable:
+    """An operator (a method or a returned closure): in dynamic mode (see :func:`_dynamic`),
+    with a note on paddle's errors about higher derivatives it lacks."""
+    method = _dynamic(method)
+
+    @functools.wraps(method)
+    def operator(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except (RuntimeError, ValueError) as err:
+            message, notes = str(err), getattr(err, "__notes__", ())
+            for pattern, hint in _HINTS:
+                if pattern in message and hint not in notes:
+                    err.add_note(hint)
+            raise
+
+    return operator
+
+
+def _fresh(x: Any) -> Any:
+    # detach() makes a new tensor object sharing x's memory: the caller's tensor, its
+    # stop_gradient flag and its .grad are never touched.
+    t = x.detach()
+    t.stop_gradient = False
+    return t
+
+
+def _needs_grad(t: Any) -> bool:
+    return isinstance(t, paddle.Tensor) and not t.stop_gradient
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(lambda v: v.detach() if isinstance(v, paddle.Tensor) else v, tree)
+
+
+def _grad(ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool = False,
+          create_graph: bool = False, hidden: list = ()) -> list:  # type: ignore[assignment]
+    """``paddle.grad`` of ``ys`` (cotangents ``dys``) for ``inputs``; ``None`` where unconnected.
+
+    ``hidden``: leaves of operators nested in the recorded function.  paddle 3.3's
+    double-grad kernel of pow needs the gradient of its input even when nobody asked for it
+    (an outer derivative with respect to ``a`` of an inner gradient of ``a * sum(x**2)``
+    with respect to ``x``); asked for the hidden leaves too, it computes them, and they are
+    dropped.
+    """
+    if all(y.stop_gradient for y in ys):  # nothing differentiable reaches ys
+        return [None] * len(inputs)
+    if not hidden:
+        return list(paddle.grad(ys, inputs, dys, retain_graph=retain_graph or create_graph,
+                                create_graph=create_graph, allow_unused=True))
+    try:  # the graph is kept, for the second attempt
+        return list(paddle.grad(ys, inputs, dys, retain_graph=True, create_graph=create_graph, allow_unused=True))
+    except RuntimeError as err:
+        if _MISSING_INPUT_GRADIENT not in str(err):
+            raise
+    grads = paddle.grad(ys, [*inputs, *hidden], dys, retain_graph=retain_graph or create_graph,
+                        create_graph=create_graph, allow_unused=True)
+    return list(grads[: len(inputs)])
+
+
+def _check_not_traced(*groups: list) -> None:
+    """Refuse symbolic values: an operator called inside a function paddle.jit.to_static traces.
+
+    The operators differentiate in dynamic mode; ops they would add to a program being built
+    leave it broken, and paddle 3.3 then aborts the process when it destroys the program.
+    """
+    if any(isinstance(a, paddle.pir.Value) for group in groups for a in group):
+        raise ModeMismatchError(
+            "paddle backend: an abstractdiff operator was called on symbolic values, inside a function that "
+            "paddle.jit.to_static is converting (compile=True, or your own to_static); the paddle backend "
+            "differentiates in dynamic mode: call the operator outside the converted function, or use "
+            "ad.backend('paddle') (compile=False) for functions that call abstractdiff operators"
+        )
+
+
+class _Frames(threading.local):
+    """Per thread, the operators whose ``f`` is running: each collects the leaves of the
+    operators nested in it (see :func:`_grad`)."""
+
+    def __init__(self) -> None:
+        self.stack: list[list] = []
+
+
+_frames = _Frames()
+
+
+class _Recorded:
+    """One recorded run of ``f``: its output ``y`` and ``aux``, the leaves it was run on,
+    whether it is nested in an outer derivative, and the leaves of operators nested in it."""
+
+    __slots__ = ("y", "aux", "leaves", "nested", "hidden")
+
+    def __init__(self, y: Any, aux: Any, leaves: list, nested: bool, hidden: list):
+        self.y, self.aux, self.leaves, self.nested, self.hidden = y, aux, leaves, nested, hidden
+
+    def grad(self, ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool = False,
+             create_graph: bool = False) -> list:
+        return _grad(ys, inputs, dys, retain_graph=retain_graph, create_graph=create_graph, hidden=self.hidden)
+
+    def outputs(self) -> tuple[Any, Any]:
+        """``(y, aux)`` as the operator returns them: in the outer graph when nested, else plain values."""
+        if self.nested:
+            return self.y, self.aux
+        return self.y.detach(), (None if self.aux is None else _detached(self.aux))
+
+
+def _run_as_python_in_to_static() -> None:
+    """Have ``paddle.jit.to_static`` call autoray, abstractdiff and this module as they are.
+
+    to_static rewrites the source of every function ``f`` calls, and fails on autoray's
+    dispatch (a dict assignment in a try block: "'UndefinedVar' object does not support
+    item assignment"), so backend-neutral functions would never compile.  Both are plain
+    Python that must run while paddle traces; paddle's public ``ignore_module`` says so,
+    as paddle itself does for numpy, copy or inspect.  This adds to paddle's list of
+    modules it does not rewrite, which no user setting controls, and changes nothing else.
+    """
+    import autoray
+
+    import abstractdiff
+
+    paddle.jit.ignore_module([autoray, abstractdiff, sys.modules[__name__]])
+
+
+class PaddleBackend(Backend):
+    name = "paddle"
+    extra = "paddle"
+    modules = ("paddle",)
+
+    def __init__(self, *, device: str | None = None, compile: bool = False):
+        if not isinstance(compile, bool):
+            raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
+        super().__init__(device=device, compile=compile)
+        self.compile = compile
+        self.reuses_traces = compile  # a compiled program freezes what f reads (see AdapterHooks)
+        if compile:
+            _run_as_python_in_to_static()
+        kind, _, index = self.device.partition(":")
+        self.place = paddle.CPUPlace() if kind == "cpu" else paddle.CUDAPlace(int(index))
+        #: How many times paddle.jit.to_static traced a user function for this backend (a
+        #: test hook: a repeated call with the same function, structure, shapes, dtypes
+        #: and static leaves must not add one).
+        self.trace_count = 0
+
+    # ---------------------------------------------------------------- devices
+    def devices(self) -> list[str]:
+        names = ["cpu"]
+        if paddle.device.is_compiled_with_cuda():
+            names += [f"gpu:{i}" for i in range(paddle.device.cuda.device_count())]
+        return names
+
+    def normalise_device(self, device: str | None) -> str:
+        if device is None:
+            return "cpu"
+        available = self.devices()
+        match = _DEVICE.match(str(device).strip().lower())
+        if match is not None:
+            kind, index = match.groups()
+            if kind != "cpu":  # "gpu", "cuda", "gpu:N", "cuda:N"
+                name = f"gpu:{index or 0}"
+            else:
+                name = "cpu" if index in (None, "0") else None
+            if name in available:
+                return name
+        hint = "" if paddle.device.is_compiled_with_cuda() else " (this paddle build has no CUDA support)"
+        raise DeviceError(
+            f"paddle backend: device {device!r} is not available here{hint}; available devices: "
+            f"{', '.join(available)} (spell a GPU 'gpu', 'cuda', 'gpu:N' or 'cuda:N')"
+        )
+
+    # ---------------------------------------------------------------- arrays
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, _ARRAYS)
+
+    @_dynamic
+    def from_numpy(self, a: np.ndarray) -> Any:
+        t = paddle.to_tensor(a, place=self.place)  # a copy, in a's dtype
+        _OWN[id(t)] = t
+        return t
+
+    @_dynamic
+    def to_numpy(self, a: Any) -> np.ndarray:
+        if a.dtype == paddle.bfloat16:
+            # paddle hands bfloat16 to numpy as its raw uint16 bits: ml_dtypes' bfloat16
+            # (shipped with jax and tensorflow) keeps the dtype; without it, widen to float32.
+            values = a.detach().astype("float32").numpy()
+            try:
+                import ml_dtypes
+            except ImportError:
+                return values
+            return values.astype(ml_dtypes.bfloat16)
+        return a.numpy()
+
+    @_dynamic
+    def cast(self, a: Any, dtype: str) -> Any:
+        return paddle.cast(a, dtype)
+
+    @_dynamic
+    def zeros_like(self, a: Any) -> Any:
+        return paddle.zeros_like(a)
+
+    @_dynamic
+    def ones_like(self, a: Any) -> Any:
+        return paddle.ones_like(a)
+
+    def snapshot(self, a: Any) -> Any:
+        # A caller's tensor can be written in place later (set_value, x[i] = ...), and
+        # paddle's inplace-version check does not catch every such write: a pullback would
+        # silently use the new values.  clone() is differentiable: nested use keeps its graph.
+        if not isinstance(a, paddle.Tensor) or _OWN.get(id(a)) is a:
+            return a
+        with _dynamic_mode():
+            return a.clone()
+
+    def scope(self, arrays: Any) -> contextlib.AbstractContextManager[Any]:
+        # the optimisers' arithmetic on paddle tensors needs dynamic mode too
+        return _dynamic_mode()
+
+    @_dynamic
+    def asarray_like(self, a: np.ndarray, like: Any) -> Any:
+        t = paddle.to_tensor(a, place=like.place)
+        if not like.stop_gradient and t.is_floating_point():
+            t.stop_gradient = False
+        return t
+
+    # --------------------------------------------------------------- variables
+    # A paddle parameter is a leaf tensor with stop_gradient=False (a Layer's parameters,
+    # paddle.create_parameter, or any float tensor whose flag the user cleared).
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, paddle.Tensor)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        # stop_gradient first: an integer tensor cannot be differentiated, so it is data
+        if v.stop_gradient:
+            raise ModeMismatchError(
+                f"{where} is a paddle tensor with stop_gradient=True (frozen, or data); set "
+                f"stop_gradient = False on it (or create it with ad.variables(tree, 'paddle'))"
+            )
+        if not v.is_leaf:
+            raise ModeMismatchError(
+                f"{where} is a paddle tensor computed from other tensors (not a leaf); parameters must "
+                f"be leaf tensors: use the tensors it was computed from, or a detached copy with "
+                f"stop_gradient = False"
+            )
+        if not v.is_floating_point():
+            raise NonDifferentiableInputError(
+                f"{where} is a paddle tensor of dtype {v.dtype}; only float tensors can be parameters"
+            )
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        if not isinstance(obj, paddle.nn.Layer):
+            return None
+        params = obj.parameters()  # shared parameters once
+        trainable = [p for p in params if not p.stop_gradient]
+        return trainable, len(params) - len(trainable)
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # parameters (frozen ones too) and buffers (BatchNorm's running statistics), with
+        # state_dict's names; paddle's state_dict holds the tensors themselves
+        return list(obj.state_dict().items()) if isinstance(obj, paddle.nn.Layer) else None
+
+    def read(self, var: Any) -> Any:
+        return var.detach()
+
+    @_dynamic
+    def write(self, var: Any, value: Any) -> None:
+        with paddle.no_grad():
+            var.set_value(value)
+
+    def current_value(self, var: Any) -> Any:
+        return var
+
+    @_dynamic
+    def new_variable(self, value: Any) -> Any:
+        return paddle.create_parameter(
+            list(value.shape), value.dtype, default_initializer=paddle.nn.initializer.Assign(value.detach())
+        )
+
+    @_operator
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        args = self._fit_to(variables, args)
+        with _recording():
+            y, aux = split_aux(f(*args), has_aux)
+            y = self._tensor(check_output(y))
+            check_scalar(y)
+            grads = _grad([y], variables)
+        return y.detach(), _detached(aux), self.complete(grads, variables)
+
+    @_operator
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        args = self._fit_to(variables, args)
+        with _recording():
+            y = self._tensor(check_output(f(*args)))
+
+        @_operator
+        def vjp(dy: Any) -> list:
+            dy = paddle.cast(self.cotangent(dy, y), y.dtype)
+            with _recording():
+                grads = _grad([y], variables, [dy], retain_graph=True)
+            return self.complete(grads, variables)
+
+        return y.detach(), vjp
+
+    @staticmethod
+    def _fit_to(variables: list, args: tuple) -> tuple:
+        # Data goes to the model's place and float data to the model's float dtype: a
+        # float64 batch for a float32 layer would fail in paddle's matmul.
+        place, dtype = variables[0].place, variables[0].dtype
+
+        def fit(a: Any) -> Any:
+            if not isinstance(a, paddle.Tensor):
+                return a
+            if a.is_floating_point() and a.dtype != dtype:
+                a = paddle.cast(a, dtype)
+            return a if a.place == place else a.to(place)
+
+        return optree.tree_map(fit, args)
+
+    # ---------------------------------------------------------------- helpers
+    def _tensor(self, y: Any) -> Any:
+        """``f``'s output as a paddle tensor; a number is a constant."""
+        if isinstance(y, paddle.Tensor):
+            return y
+        # numpy's own value (an array, or the scalar a numpy reduction returns): the derivative
+        # was almost surely lost (numpy on the left, a list dispatched on a numpy first element).
+        # A Python number (a constant) reaches here as a 0-d array, made by the core.
+        if isinstance(y, np.generic) or (isinstance(y, np.ndarray) and y.ndim > 0):
+            # paddle hands a tensor to numpy even when it is being differentiated (torch and
+            # jax refuse): np.concatenate, np.stack or np.asarray on the traced inputs, or
+            # autoray dispatching a list on its numpy first element, detach them, and every
+            # derivative would silently be zero.
+            raise InvalidOutputError(
+                "f returned a numpy array while paddle tensors were being differentiated: a numpy "
+                "function (np.concatenate, np.stack, np.asarray...) converted them to numpy, which paddle "
+                "allows and which detaches them, so every derivative would be zero. A function taking a "
+                "list dispatches on its first element: pass like=x (autoray.do('concatenate', [data, x], "
+                "like=x)) or convert the numpy data first (b.asarray(data)); if f is meant to be constant, "
+                "return a paddle tensor"
+            )
+        return self.asarray(np.asarray(y))
+
+    @staticmethod
+    def _leaves(xs: list, data: list) -> tuple[list, bool]:
+        """Differentiable leaves for ``xs``, and whether we are nested in an outer derivative."""
+        nested = paddle.is_grad_enabled() and any(_needs_grad(t) for t in (*xs, *data))
+        if nested:
+            # assign keeps the outer graph and gives each input its own node, so that the
+            # same tensor passed twice gets two partial derivatives.
+            return [paddle.assign(x) if not x.stop_gradient else _fresh(x) for x in xs], True
+        return [_fresh(x) for x in xs], False
+
+    def _record(self, fn: FlatFn, xs: list, data: list, compiled: bool = False) -> _Recorded:
+        """``f`` run on fresh leaves for ``xs``, recording its graph (``compiled``: through
+        ``to_static`` where it may, see :meth:`_forward`)."""
+        _check_not_traced(xs, data)
+        leaves, nested = self._leaves(xs, data)
+        forward = self._forward(fn, xs, data) if compiled and not nested else fn
+        outer = _frames.stack[-1] if _frames.stack else None
+        hidden: list = []
+        _frames.stack.append(hidden)
+        try:
+            with _recording():
+                y, aux = forward(leaves, data)
+        finally:
+            _frames.stack.pop()
+        if nested and outer is not None:  # our leaves are hidden from the operator we run inside
+            outer += leaves
+            outer += hidden
+        return _Recorded(self._tensor(y), aux, leaves, nested, hidden)
+
+    # ------------------------------------------------------------- compilation
+    def _forward(self, fn: FlatFn, xs: list, data: list) -> FlatFn:
+        """``fn``, or its twin calling the ``to_static`` program of ``f``, cached in ``fn``'s artefacts.
+
+        For first-order reverse mode only: the gradient of a to_static program is not itself
+        differentiable (paddle 3.3 returns zeros, silently, for a derivative of it), so
+        forward mode (the double-vjp trick), second order and nested use run ``f`` eagerly.
+        And for float32 (and narrower) only: paddle 3.3's programs hold Python scalars as
+        float32 (``x * 0.1`` or ``x / 3`` on float64 differ from dynamic mode by ~1e-8), so
+        float64 inputs run eagerly too.
+        """
+        if not self.compile or not isinstance(fn, FlatFunction):
+            return fn
+        if any(a.dtype == paddle.float64 for a in (*xs, *data) if isinstance(a, paddle.Tensor)):
+            return fn
+        store = fn.artefacts(self, "paddle.jit.to_static")
+        forward = store.peek("forward")
+        if forward is not None:
+            return forward
+        converted = self._static(fn.f)
+        if converted is None:  # not a plain function or method: runs eagerly
+            store.put("forward", fn)
+            return fn
+        static, call = converted
+        twin = FlatFunction(
+            call, fn.x_treedef, fn.args_treedef, fn.template, fn.diff_index, fn.data_index, fn.n_x_leaves,
+            fn.has_aux,
+        )
+
+        def forward(xs: list, data: list, _keep: Any = call) -> tuple[Any, Any]:
+            # to_static keeps one program per input signature; a new one is a trace
+            before = static.get_traced_count()
+            try:
+                out = twin(xs, data)
+            except Exception as err:
+                # paddle converts Python source, and not every function (a lambda, a function
+                # without source, code it cannot translate): run f eagerly; an error that is
+                # f's own raises again here, unchanged.
+                out = fn(xs, data)
+                # paddle puts the original error last, after the transformed code
+                lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+                warnings.warn(
+                    f"paddle.jit.to_static could not convert {fn!r} ({type(err).__name__}: "
+                    f"{lines[-1] if lines else ''}); running it eagerly from now on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                store.put("forward", fn)
+                return out
+            self.trace_count += static.get_traced_count() - before
+            return out
+
+        store.put("forward", forward)
+        return forward
+
+    @staticmethod
+    def _static(f: Callable[..., Any]) -> tuple[Any, Callable[..., Any]] | None:
+        """``(to_static function, its call)`` for a function or method ``f``, else ``None``.
+
+        to_static(f) holds f strongly: kept in fn's artefacts it would keep f alive, and with
+        it the plan cache entry that is meant to die with f.  A twin function sharing f's
+        code, globals and closure converts to the same program without holding f (or, for a
+        method, its owner).  Other callables (a partial, a callable object) have no such twin.
+        """
+        func, owner = (f.__func__, f.__self__) if isinstance(f, types.MethodType) else (f, None)
+        if not isinstance(func, types.FunctionType):
+            return None
+        twin = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+        twin.__kwdefaults__ = func.__kwdefaults__
+        static = paddle.jit.to_static(twin, full_graph=True)
+        if owner is None:
+            return static, static
+        owner_ref = weakref.ref(owner)
+        return static, lambda *args: static(owner_ref(), *args)
+
+    # ------------------------------------------------------------ reverse mode
+    @staticmethod
+    def _pullback(rec: _Recorded) -> Callable[[Any], list]:
+        """``dy -> J^T dy`` at a recorded ``y``."""
+
+        @_operator
+        def vjp(dy: Any) -> list:
+            # retain_graph: the pullback may be called again (a Jacobian row by row)
+            with _recording():
+                return rec.grad([rec.y], rec.leaves, [dy], retain_graph=True, create_graph=rec.nested)
+
+        return vjp
+
+    @_operator
+    def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        rec = self._record(fn, xs, data, compiled=True)
+        return (*rec.outputs(), self._pullback(rec))
+
+    @_operator
+    def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
+        rec = self._record(fn, xs, data, compiled=True)
+        check_scalar(rec.y)  # before paddle.grad, whose own message is about grad_outputs
+        with _recording():
+            grads = rec.grad([rec.y], rec.leaves, create_graph=rec.nested)
+        return (*rec.outputs(), grads)
+
+    # ------------------------------------------------------------ forward mode
+    def _pushforward(self, rec: _Recorded, routes: Artefacts) -> Callable[[list], Any]:
+        """``ts -> J ts`` at a recorded ``y``: the double-vjp trick.
+
+        ``J^T u`` is built once, on the first call, with ``create_graph=True`` for a dummy
+        cotangent ``u``; each call then pulls ``ts`` back through it.  paddle 3.3 fails on
+        some of these second pullbacks (see :data:`_DOUBLE_VJP_ROUTES`): the routes are
+        tried in order, and the one that works is remembered in ``routes`` (the flat
+        function's artefacts).  The last route builds ``J`` itself, one pullback per output
+        element, which needs first derivatives only.
+        """
+        y, state = rec.y, {}
+
+        def transposed() -> tuple[Any, list]:
+            if "vjps" not in state:
+                u = paddle.zeros_like(y)  # any value: J^T u is linear in u
+                u.stop_gradient = False
+                state["u"], state["vjps"] = u, rec.grad([y], rec.leaves, [u], create_graph=True)
+            return state["u"], state["vjps"]
+
+        def jacobian() -> list:
+            if "jacobian" not in state:
+                vjp, basis = self._pullback(rec), paddle.eye(_size(y), dtype=y.dtype)
+                rows = [self.complete(vjp(basis[i].reshape(y.shape)), rec.leaves) for i in range(_size(y))]
+                state["jacobian"] = [paddle.stack([r[k].reshape([-1]) for r in rows]) for k in range(len(rec.leaves))]
+            return state["jacobian"]
+
+        def apply(route: str, ts: list) -> Any:
+            if route == "jacobian":
+                products = [j @ t.reshape([-1]) for j, t in zip(jacobian(), ts)]
+                return functools.reduce(lambda a, b: a + b, products).reshape(y.shape)
+            u, vjps = transposed()
+            pairs = [(g, t) for g, t in zip(vjps, ts) if g is not None and not g.stop_gradient]
+            if not pairs:  # y does not depend on xs
+                return paddle.zeros_like(y)
+            inputs = [u, *rec.leaves, *rec.hidden] if route == "u and inputs" else [u]
+            out = paddle.grad([g for g, _ in pairs], inputs, [t for _, t in pairs], retain_graph=True,
+                              create_graph=rec.nested, allow_unused=True)[0]
+            return paddle.zeros_like(y) if out is None else out
+
+        @_operator
+        def jvp(ts: list) -> Any:
+            with _recording():
+                start = _DOUBLE_VJP_ROUTES.index(routes.peek("route") or _DOUBLE_VJP_ROUTES[0])
+                for route in _DOUBLE_VJP_ROUTES[start:]:
+                    try:
+                        out = apply(route, ts)
+                    except (RuntimeError, SystemError, ValueError):  # paddle's own failures (f does not run here)
+                        if route == _DOUBLE_VJP_ROUTES[-1]:
+                            raise
+                        continue
+                    routes.put("route", route)
+                    return out
+            raise AssertionError("unreachable")
+
+        return jvp
+
+    @_operator
+    def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        rec = self._record(fn, xs, data)  # eagerly: a to_static program has no second derivative
+        return (*rec.outputs(), self._pushforward(rec, artefacts(fn, self, "double-vjp route")))
+
+    # ------------------------------------------------------------ composed
+    @_operator
+    def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
+        # One pullback per output element, or one pushforward per input element: the fewer.
+        rec = self._record(fn, xs, data)
+        y = rec.y
+        n_out, y_shape = _size(y), [int(d) for d in y.shape]
+        if n_out <= sum(_size(x) for x in xs):
+            vjp, basis = self._pullback(rec), paddle.eye(n_out, dtype=y.dtype)
+            rows = [self.complete(vjp(basis[i].reshape(y_shape)), xs) for i in range(n_out)]
+            jacs = [
+                paddle.stack([row[k] for row in rows]).reshape(y_shape + [int(d) for d in x.shape])
+                if rows else paddle.zeros(y_shape + [int(d) for d in x.shape], dtype=x.dtype)
+                for k, x in enumerate(xs)
+            ]
+        else:
+            jvp = self._pushforward(rec, artefacts(fn, self, "double-vjp route"))
+            jacs = []
+            for k, x in enumerate(xs):
+                tangents = [paddle.zeros_like(v) for v in xs]
+                basis, columns = paddle.eye(_size(x), dtype=x.dtype), []
+                for j in range(_size(x)):
+                    tangents[k] = basis[j].reshape(x.shape)
+                    columns.append(jvp(tangents).reshape([-1]))
+                # (outputs, inputs) -> y.shape + x.shape
+                jacs.append(paddle.stack(columns, axis=1).reshape(y_shape + [int(d) for d in x.shape]))
+        return rec.outputs()[0], jacs
+
+    @_operator
+    def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
+        # the Jacobian of the gradient, row by row: one double backward per element of x
+        rec = self._record(fn, xs, data)
+        x, shape = xs[0], [int(d) for d in xs[0].shape]
+        check_scalar(rec.y, "hessian")
+        with _recording():
+            (g,) = rec.grad([rec.y], rec.leaves, create_graph=True)
+            if g is None or g.stop_gradient:  # f is linear (or constant) in x
+                return paddle.zeros(shape + shape, dtype=x.dtype)
+            basis = paddle.eye(_size(x), dtype=x.dtype)
+            rows = [rec.grad([g], rec.leaves, [basis[i].reshape(shape)], retain_graph=True, create_graph=rec.nested)[0]
+                    for i in range(_size(x))]
+        rows = [paddle.zeros_like(x) if r is None else r for r in rows]
+        return paddle.stack(rows).reshape(shape + shape) if rows else paddle.zeros(shape + shape, dtype=x.dtype)
+
+    @_operator
+    def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+        # reverse over reverse, the gradient of <grad f, v>: forward over reverse would need
+        # third derivatives with the double-vjp trick
+        rec = self._record(fn, xs, data)
+        check_scalar(rec.y, "hvp")
+        with _recording():
+            grads = rec.grad([rec.y], rec.leaves, create_graph=True)
+            terms = [paddle.sum(g * t) for g, t in zip(grads, tangents) if g is not None and not g.stop_gradient]
+            if not terms:
+                return [paddle.zeros_like(x) for x in xs]
+            hv = rec.grad([functools.reduce(lambda a, b: a + b, terms)], rec.leaves, create_graph=rec.nested)
+        return self.complete(hv, xs)
+
+
+def _size(a: Any) -> int:
+    return int(np.prod([int(d) for d in a.shape], dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------------------
+# Portable functions: autoray translations for numpy calls that paddle lacks, takes
+# differently, or cannot differentiate twice (paddle 3.3 has no double grad for max, min,
+# prod, logsumexp, softmax or p_norm: a Hessian or a pushforward through them fails).
+# Each takes numpy's arguments and is built from paddle ops that have derivatives of
+# every order and keep dtype and place.  Registered when this adapter is imported, i.e.
+# when a paddle backend is created, before any user function runs on it.
+def _merged(a: Any, axis: Any) -> tuple[Any, list[int]]:
+    """``a`` with the axes ``axis`` (None: all) moved last and merged into one, and the
+    shape of a reduction over them with ``keepdims=True``."""
+    ndim, shape = a.ndim, [int(d) for d in a.shape]
+    if axis is None:
+        axes = list(range(ndim))
+    else:
+        axes = sorted({int(ax) % max(ndim, 1) for ax in (axis if isinstance(axis, (tuple, list)) else (axis,))})
+    kept = [i for i in range(ndim) if i not in axes]
+    if kept + axes != list(range(ndim)):
+        a = paddle.transpose(a, kept + axes)
+    return a.reshape([shape[i] for i in kept] + [-1]), [1 if i in axes else d for i, d in enumerate(shape)]
+
+
+def _register_portable_functions() -> None:
+    import autoray
+
+    names = {
+        paddle.bool: "bool", paddle.int8: "int8", paddle.int16: "int16", paddle.int32: "int32",
+        paddle.int64: "int64", paddle.uint8: "uint8", paddle.float16: "float16", paddle.bfloat16: "bfloat16",
+        paddle.float32: "float32", paddle.float64: "float64", paddle.complex64: "complex64",
+        paddle.complex128: "complex128",
+    }
+
+    def get_dtype_name(x: Any) -> str:
+        # autoray 0.11 maps paddle's legacy dtype names ("FP64"); paddle 3 names them "FLOAT64"
+        return names[x.dtype]
+
+    def finish(r: Any, keepdims_shape: list[int], keepdims: bool) -> Any:
+        return r.reshape(keepdims_shape) if keepdims else r
+
+    def extremum(arg: Callable) -> Callable:
+        # the value at the arg-extremum: gather has derivatives of every order, max_grad none
+        def numpy_like(a, axis=None, out=None, keepdims=False, initial=None, where=None):
+            if out is not None or initial is not None or where is not None:
+                raise NotImplementedError("out=, initial= and where= are not supported on paddle tensors")
+            b, keepdims_shape = _merged(a, axis)
+            r = paddle.take_along_axis(b, arg(b, axis=-1, keepdim=True), axis=-1).squeeze(-1)
+            return finish(r, keepdims_shape, keepdims)
+
+        return numpy_like
+
+    def prod(a, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None):
+        # products of pairs, log2(n) times: prod_grad has no derivative of its own
+        if out is not None or initial is not None or where is not None:
+            raise NotImplementedError("out=, initial= and where= are not supported on paddle tensors")
+        b, keepdims_shape = _merged(a if dtype is None else paddle.cast(a, dtype), axis)
+        while int(b.shape[-1]) > 1:
+            if int(b.shape[-1]) % 2:
+                b = paddle.concat([b, paddle.ones_like(b[..., :1])], axis=-1)
+            b = b.reshape([int(d) for d in b.shape[:-1]] + [-1, 2])
+            b = b[..., 0] * b[..., 1]
+        r = paddle.ones(b.shape[:-1], dtype=b.dtype) if int(b.shape[-1]) == 0 else b[..., 0]  # empty: one
+        return finish(r, keepdims_shape, keepdims)
+
+    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
+        if b is not None or return_sign:
+            raise NotImplementedError("b= and return_sign= are not supported on paddle tensors")
+        merged, keepdims_shape = _merged(a, axis)
+        # the shift cancels in every derivative, so it needs none: detached (and 0 where the
+        # maximum is infinite, which would give inf - inf)
+        m = paddle.max(merged.detach(), axis=-1, keepdim=True)
+        m = paddle.where(paddle.isfinite(m), m, paddle.zeros_like(m))
+        r = (m + paddle.log(paddle.sum(paddle.exp(merged - m), axis=-1, keepdim=True))).squeeze(-1)
+        return finish(r, keepdims_shape, keepdims)
+
+    def log_softmax(x, axis=None):
+        return x - logsumexp(x, axis=axis, keepdims=True)
+
+    def softmax(x, axis=None):
+        return paddle.exp(log_softmax(x, axis=axis))
+
+    def moment(root: bool) -> Callable:
+        # numpy's ddof=0 by default; paddle.std/var default to unbiased=True, and take no ddof
+        def numpy_like(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+            if dtype is not None or out is not None:
+                raise NotImplementedError("dtype= and out= are not supported on paddle tensors")
+            b, keepdims_shape = _merged(a, axis)
+            centred = b - paddle.mean(b, axis=-1, keepdim=True)
+            var = paddle.sum(centred * centred, axis=-1) / (int(b.shape[-1]) - ddof)
+            return finish(paddle.sqrt(var) if root else var, keepdims_shape, keepdims)
+
+        return numpy_like
+
+    def take(a, indices, axis=None, out=None, mode=None):
+        if out is not None or mode is not None:
+            raise NotImplementedError("out= and mode= are not supported on paddle tensors")
+        indices = indices if isinstance(indices, _ARRAYS) else paddle.to_tensor(np.asarray(indices))
+        if axis is None:
+            a, axis = a.reshape([-1]), 0
+        axis = int(axis) % a.ndim
+        shape = [int(d) for d in a.shape]
+        picked = paddle.index_select(a, indices.reshape([-1]), axis=axis)
+        return picked.reshape(shape[:axis] + [int(d) for d in indices.shape] + shape[axis + 1:])
+
+    def qr(a, mode="reduced"):
+        if mode not in ("reduced", "complete"):
+            raise NotImplementedError(f"mode={mode!r} is not supported on paddle tensors (reduced, complete)")
+        q, r = paddle.linalg.qr(a, mode=mode)
+        # paddle 3.3's QR gradient crashes the process (a segfault in QrGradKernel) unless
+        # both Q and R get a cotangent: a zero ties each to the other, so that using one
+        # of them is enough
+        tie = 0.0 * (paddle.sum(q) + paddle.sum(r))
+        return q + tie, r + tie
+
+    def like(value: Any, ref: Any) -> Any:
+        """A Python or numpy scalar as a tensor of ``ref``'s dtype and place (numpy's weak scalars)."""
+        if isinstance(value, _ARRAYS):
+            return value
+        # a traced value (to_static) has no place: the constant goes where the program runs
+        return paddle.to_tensor(value, dtype=ref.dtype, place=ref.place if isinstance(ref, paddle.Tensor) else None)
+
+    def scalar_second(op: Callable) -> Callable:
+        # numpy takes a Python scalar second argument (np.maximum(x, 0.0)); paddle wants a tensor
+        def numpy_like(x1, x2):
+            return op(x1, like(x2, x1))
+
+        return numpy_like
+
+    def unary(op: Callable) -> Callable:
+        def numpy_like(x):
+            return op(x)
+
+        return numpy_like
+
+    def expand_dims(a, axis):
+        return paddle.unsqueeze(a, axis)
+
+    def cumprod(a, axis=None, dtype=None, out=None):
+        if out is not None:
+            raise NotImplementedError("out= is not supported on paddle tensors")
+        a = a if dtype is None else paddle.cast(a, dtype)
+        return paddle.cumprod(a.reshape([-1]) if axis is None else a, dim=0 if axis is None else axis)
+
+    def dot(a, b):
+        # numpy.dot: a product with a 0-d array, else a sum over a's last axis and b's
+        # second-to-last (its only one for a vector); paddle.dot takes vectors only.
+        b = like(b, a)
+        if a.ndim == 0 or b.ndim == 0:
+            return a * b
+        return paddle.tensordot(a, b, axes=([a.ndim - 1], [max(b.ndim - 2, 0)]))
+
+    def roll(a, shift, axis=None):
+        return paddle.roll(a, shift, axis=axis)
+
+    def repeat(a, repeats, axis=None):
+        if not isinstance(repeats, int):
+            repeats = paddle.to_tensor(np.asarray(repeats))
+        return paddle.repeat_interleave(a, repeats, axis=axis)
+
+    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
+        if trans in (2, "C"):
+            raise NotImplementedError("trans='C' is not supported on paddle tensors (real matrices: use 'T')")
+        vector = b.ndim == 1  # scipy takes a vector right-hand side, paddle a matrix
+        x = paddle.linalg.triangular_solve(
+            a, b.unsqueeze(-1) if vector else b, upper=not lower, transpose=trans in (1, "T"),
+            unitriangular=unit_diagonal,
+        )
+        return x.squeeze(-1) if vector else x
+
+    def joined(op: Callable) -> Callable:
+        # numpy joins numpy arrays with tensors (autoray dispatches on like=x); paddle wants
+        # tensors only: numpy arrays go where the first tensor is
+        def numpy_like(arrays, axis=0, out=None, dtype=None):
+            if out is not None or dtype is not None:
+                raise NotImplementedError("out= and dtype= are not supported on paddle tensors")
+            ref = next((a for a in arrays if isinstance(a, paddle.Tensor)), None)
+            place = None if ref is None else ref.place
+            return op([a if isinstance(a, _ARRAYS) else paddle.to_tensor(np.asarray(a), place=place) for a in arrays],
+                      axis=axis)
+
+        return numpy_like
+
+    def erfc(x):
+        return 1.0 - paddle.erf(x)
+
+    def xlogy(x, y):
+        # 0 where x == 0, as scipy (and a zero gradient there for y)
+        y = like(y, x)
+        return paddle.where(x == 0, paddle.zeros_like(x), x * paddle.log(paddle.where(x == 0, paddle.ones_like(y), y)))
+
+    autoray.get_dtype_name.register("paddle", get_dtype_name)
+    functions = {
+        "max": extremum(paddle.argmax),
+        "amax": extremum(paddle.argmax),
+        "min": extremum(paddle.argmin),
+        "amin": extremum(paddle.argmin),
+        "prod": prod,
+        "logsumexp": logsumexp,
+        "scipy.special.logsumexp": logsumexp,
+        "scipy.special.softmax": softmax,
+        "scipy.special.log_softmax": log_softmax,
+        "std": moment(root=True),
+        "var": moment(root=False),
+        "take": take,
+        "linalg.qr": qr,
+        "expand_dims": expand_dims,
+        "concatenate": joined(paddle.concat),
+        "stack": joined(paddle.stack),
+        "cumprod": cumprod,
+        "dot": dot,
+        "roll": roll,
+        "repeat": repeat,
+        "linalg.solve_triangular": solve_triangular,
+        "scipy.linalg.solve_triangular": solve_triangular,
+        "arcsin": unary(paddle.asin),
+        "arctan": unary(paddle.atan),
+        "scipy.special.erf": unary(paddle.erf),
+        "scipy.special.erfc": erfc,
+        "scipy.special.expit": unary(paddle.nn.functional.sigmoid),
+        "scipy.special.logit": unary(paddle.logit),
+        "scipy.special.gammaln": unary(paddle.lgamma),
+        "scipy.special.digamma": unary(paddle.digamma),
+        "scipy.special.xlogy": xlogy,
+    }
+    for name, fn in functions.items():
+        autoray.register_function("paddle", name, fn)
+    for name, op in (("maximum", paddle.maximum), ("minimum", paddle.minimum), ("logaddexp", paddle.logaddexp),
+                     ("arctan2", paddle.atan2), ("hypot", paddle.hypot)):
+        autoray.register_function("paddle", name, scalar_second(op))
+
+
+_register_portable_functions()

@@ -1,0 +1,570 @@
+"""PyTensor: symbolic graphs, differentiated symbolically and compiled once per input signature.
+
+PyTensor (PyMC's graph compiler) has no eager arrays: ``f`` runs once on symbolic
+inputs (``pt.tensor`` placeholders with static shapes, one per float leaf of ``x`` and
+one per data leaf), the operator's graph is built from the result
+(``pytensor.grad``, ``pytensor.gradient.pullback`` / ``pushforward`` / ``jacobian`` /
+``hessian_vector_product``) and compiled with ``pytensor.function``.  The compiled
+function is kept in the flat function's typed cache (``fn.artefacts(backend,
+operator)``), one variant per input signature (every leaf's shape and dtype), so new
+data of the same signature runs the compiled code without calling ``f``; values ``f``
+reads from globals and closures are frozen into the graph (``reuses_traces``: the core
+keys its plans on them).  ``compilations`` and ``trace_count`` count the work done.
+``mode=`` picks the ``pytensor.function`` mode: ``None`` (PyTensor's configured default;
+in PyTensor 3 that is Numba: the fastest calls, seconds to compile a new graph while
+Numba's disk cache is cold) or ``"FAST_COMPILE"`` (numpy per op: compiles in tens of
+milliseconds, calls several times slower), among those in ``_MODES``.
+
+Runtime arrays are numpy arrays; results come back as numpy arrays of the inputs'
+dtype (a Python float constant in float32 code, ``0.1 * x``, makes PyTensor compute in
+float64: the value is cast back, and gradients take their input's dtype).  PyTensor's
+global ``floatX`` is never read or changed.  Symbolic values are native too: an
+abstractdiff operator called inside a function PyTensor is tracing builds its graph
+into the outer one (nested use), without compiling.
+
+Implicit mode: ``pytensor.shared`` variables are PyTensor's variables
+(``ad.variables(tree, "pytensor")`` makes them); ``f()`` builds a graph that reads them,
+and ``pytensor.grad`` differentiates it with respect to them, compiled once per ``f``,
+variables and argument signature.  PyTensor has no module or model type of its own:
+``ad.Params`` takes a list or dict of shared variables.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import numpy as np
+import optree
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.gradient import hessian_vector_product, jacobian, pullback, pushforward
+from pytensor.graph.basic import Variable
+from pytensor.graph.replace import graph_replace
+from pytensor.tensor.sharedvar import TensorSharedVariable
+from pytensor.tensor.variable import TensorConstant, TensorVariable
+
+from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._errors import (
+    ArgumentTypeError,
+    DeviceError,
+    InvalidArgumentError,
+    NonDifferentiableInputError,
+    NonScalarOutputError,
+    TracedControlFlowError,
+)
+from abstractdiff._tree import PlanCache, artefacts, check_output, flatten_call, split_aux
+
+# What PyTensor raises when Python needs a concrete value of a symbolic one: bool() (an
+# `if`), int() (an index, a range), float().
+_CONCRETE = re.compile(r"TensorVariables? cannot be converted to Python (boolean|integer|float)")
+_SYMBOLIC_HINT = (
+    "pytensor backend: f received symbolic PyTensor variables (PyTensor builds f's graph once and "
+    "compiles it) and an operation needed their numbers. Write f with autoray (`from autoray import "
+    "numpy as anp`) or pytensor.tensor rather than numpy calls, float() or .item()."
+)
+
+
+#: The ``mode=`` options: PyTensor's compilation modes whose functions take and return numpy
+#: arrays.  FAST_RUN (PyTensor 3's default) compiles with Numba: the fastest calls, the
+#: slowest first compilation; FAST_COMPILE runs numpy per op without rewrites: compiles
+#: in a fraction of the time, runs several times slower.
+_MODES = ("FAST_RUN", "FAST_COMPILE", "NUMBA", "C", "CVM")
+
+
+def _is_symbolic(a: Any) -> bool:
+    return isinstance(a, Variable) and not isinstance(a, SharedVariable)
+
+
+def _signature(arrays: list) -> tuple:
+    # numpy leaves by shape and dtype; symbolic ones (nested use) by their type
+    return tuple([(a.shape, a.dtype) if isinstance(a, np.ndarray) else a.type for a in arrays])
+
+
+def _placeholder(a: Any) -> TensorVariable:
+    """A fresh symbolic input shaped and typed like ``a`` (static shape: the signature has it)."""
+    if isinstance(a, Variable):
+        return a.type()
+    return pt.tensor(dtype=a.dtype.name, shape=a.shape)
+
+
+def _float_dtype(*groups: list) -> str | None:
+    """The dtype results are given: numpy's promotion of the float inputs (float32 stays float32)."""
+    floats = [np.dtype(a.dtype) for group in groups for a in group if np.dtype(a.dtype).kind == "f"]
+    return np.result_type(*floats).name if floats else None
+
+
+def _like(v: Any, dtype: str) -> Any:
+    return v if v.dtype == dtype else v.astype(dtype)
+
+
+def _narrow(v: Any, dtype: str | None) -> Any:
+    """A float value wider than the inputs' floats in their dtype: PyTensor makes a Python float
+    that float32 cannot hold exactly (``0.1 * x``) a float64 constant, and computes in float64."""
+    if dtype is None or not v.dtype.startswith("float") or np.dtype(v.dtype).itemsize <= np.dtype(dtype).itemsize:
+        return v
+    return v.astype(dtype)
+
+
+def _check_scalar(y: TensorVariable, operator: str) -> None:
+    if y.type.ndim == 0:
+        return
+    try:  # the core's message, from the static shape (a symbolic one has no numbers)
+        check_scalar(np.broadcast_to(np.zeros((), y.dtype), y.type.shape), operator)
+    except TypeError:  # a dimension unknown until run time (a graph of the user's own)
+        raise NonScalarOutputError(
+            f"{operator} needs f to return a scalar (shape ()), but f returned an array with "
+            f"{y.type.ndim} dimension(s); reduce it to a scalar (e.g. .sum())"
+        ) from None
+
+
+def _split_aux(aux: Any) -> tuple[list, Any]:
+    """The symbolic leaves of ``aux`` (compiled as extra outputs) and how to put it back together."""
+    if aux is None:
+        return [], None
+    leaves, treedef = optree.tree_flatten(aux)
+    where = [i for i, leaf in enumerate(leaves) if _is_symbolic(leaf)]
+    template = [None if i in where else leaf for i, leaf in enumerate(leaves)]
+    return [leaves[i] for i in where], (treedef, template, where)
+
+
+def _merge_aux(meta: Any, values: list) -> Any:
+    if meta is None:
+        return None
+    treedef, template, where = meta
+    leaves = list(template)
+    for i, v in zip(where, values):
+        leaves[i] = v
+    return optree.tree_unflatten(treedef, leaves)
+
+
+class _Compiled:
+    """A compiled operator: ``(outputs, aux)`` from the flat list of input arrays."""
+
+    __slots__ = ("function", "n", "aux")
+
+    def __init__(self, function: Any, n: int, aux: Any):
+        self.function, self.n, self.aux = function, n, aux
+
+    def __call__(self, arrays: list) -> tuple[list, Any]:
+        out = self.function(*arrays)
+        if self.aux is None:
+            return out, None
+        return out[: self.n], _merge_aux(self.aux, out[self.n :])
+
+
+class _ImplicitCall:
+    """``f(*args)`` of implicit mode as a flat function: it reads shared variables, not ``xs``."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def __call__(self, xs: list, data: list) -> tuple[Any, Any]:
+        _, args = self.fn.rebuild([], data)
+        y, aux = split_aux(self.fn.f(*args), self.fn.has_aux)
+        return check_output(y), aux
+
+
+class PyTensorBackend(Backend):
+    name = "pytensor"
+    extra = "pytensor"
+    modules = ("pytensor",)
+    # f runs once per input signature and the compiled graph is reused: what f reads by
+    # closure or global is frozen in it, so the core keys plans on those values
+    reuses_traces = True
+
+    def __init__(self, *, device: str | None = None, mode: str | None = None):
+        if mode is not None and not isinstance(mode, str):
+            raise ArgumentTypeError(f"mode must be a PyTensor mode name or None, got {mode!r}")
+        if mode is not None and mode not in _MODES:
+            raise InvalidArgumentError(
+                f"mode must be None (PyTensor's configured default) or one of {', '.join(_MODES)}, got {mode!r}; "
+                f"the JAX, PYTORCH and MLX modes run another library's arrays"
+            )
+        super().__init__(device=device, mode=mode)
+        #: The ``pytensor.function`` mode; None: PyTensor's configured default (never changed here).
+        self.mode = mode
+        #: Graphs compiled with ``pytensor.function`` (a repeated call of one signature adds none).
+        self.compilations = 0
+        #: Python executions of user functions on symbolic inputs.
+        self.trace_count = 0
+        self._implicit_plans = PlanCache()
+
+    # ---------------------------------------------------------------- devices
+    def normalise_device(self, device: str | None) -> str:
+        if device is None or str(device).lower() in ("cpu", "cpu:0"):
+            return "cpu"
+        raise DeviceError(
+            f"pytensor backend: device {device!r} is not available; this adapter compiles PyTensor graphs "
+            f"for the CPU only (numpy arrays). Available devices: cpu"
+        )
+
+    # ---------------------------------------------------------------- arrays
+    def is_native(self, a: Any) -> bool:
+        # numpy arrays at run time, symbolic tensors while PyTensor traces f (nested use);
+        # a shared variable is a variable, read through to_numpy like other libraries' ones
+        if type(a) is np.ndarray:
+            return a.dtype.isnative  # other byte orders go through from_numpy
+        return isinstance(a, TensorVariable) and not isinstance(a, SharedVariable)
+
+    def from_numpy(self, a: np.ndarray) -> np.ndarray:
+        # compiled functions trust their inputs' types: the machine's byte order, a base ndarray
+        return np.asarray(a, dtype=a.dtype.newbyteorder("=")) if not a.dtype.isnative else np.asarray(a)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        if isinstance(a, SharedVariable):
+            return np.asarray(a.get_value())
+        if isinstance(a, TensorConstant):
+            return np.asarray(a.data)
+        if isinstance(a, Variable):
+            raise ArgumentTypeError(
+                f"a symbolic PyTensor value ({a}) has no numbers before its graph is compiled and run; "
+                f"convert the results of abstractdiff's operators, not values inside f"
+            )
+        return np.asarray(a)
+
+    def cast(self, a: Any, dtype: str) -> Any:
+        return a.astype(dtype)
+
+    def zeros_like(self, a: Any) -> Any:
+        return pt.zeros_like(a) if isinstance(a, Variable) else np.zeros_like(a)
+
+    def ones_like(self, a: Any) -> Any:
+        return pt.ones_like(a) if isinstance(a, Variable) else np.ones_like(a)
+
+    # --------------------------------------------------------------- variables
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, SharedVariable)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        if not isinstance(v, TensorSharedVariable):
+            raise NonDifferentiableInputError(
+                f"{where} is a PyTensor shared variable of type {v.type}, not a tensor; only float tensor "
+                f"shared variables can be parameters"
+            )
+        if np.dtype(v.dtype).kind != "f":
+            raise NonDifferentiableInputError(
+                f"{where} is a PyTensor shared variable of dtype {v.dtype}; only float variables can be parameters"
+            )
+
+    def read(self, var: Any) -> np.ndarray:
+        return var.get_value()  # a copy (borrow=False)
+
+    def write(self, var: Any, value: Any) -> None:
+        value = np.asarray(value)
+        old = var.get_value(borrow=True)
+        if value.shape != old.shape or value.dtype != old.dtype:
+            raise ArgumentTypeError(
+                f"cannot assign a {value.dtype} array of shape {value.shape} to a PyTensor shared variable "
+                f"holding {old.dtype} of shape {old.shape}"
+            )
+        var.set_value(value)  # copied (borrow=False): the caller keeps its array
+
+    def current_value(self, var: Any) -> Any:
+        return var  # the graph reads the shared variable itself
+
+    def new_variable(self, value: Any) -> Any:
+        value = self.to_numpy(value)
+        return pytensor.shared(value.copy(), shape=value.shape)
+
+    # ------------------------------------------------------------ compiling
+    def _trace(self, body: Callable, call: Callable, wrt: list, *groups: list) -> tuple[list, Any]:
+        """``body(call, wrt, *groups)``: the operator's graph from one symbolic run of ``f``."""
+        self.trace_count += 1
+        try:
+            return body(call, wrt, *groups)
+        except TypeError as err:
+            match = _CONCRETE.search(str(err))
+            if match is None:
+                raise
+            shapes = (
+                " A PyTensor array's .shape is symbolic too: read static sizes with autoray.shape(x) "
+                "(x.type.shape), which gives Python ints." if match.group(1) == "integer" else ""
+            )
+            raise TracedControlFlowError(
+                f"f used a symbolic PyTensor value where Python needs a concrete {match.group(1)} (an if/while "
+                f"on an array, int(), float() or a Python index): PyTensor runs f once on symbolic inputs to "
+                f"build a graph, then compiles it. Write the branch with autoray's where (anp.where(cond, a, b)) "
+                f"or pytensor.tensor.switch, or pass the value that decides it as a static Python number in "
+                f"args.{shapes}"
+            ) from err
+        except (ValueError, AttributeError) as err:
+            if "TensorVariable" in str(err) or "setting an array element with a sequence" in str(err):
+                err.add_note(_SYMBOLIC_HINT)  # f's own exception, type and message unchanged
+            raise
+
+    def _graph(self, call: Callable, body: Callable, groups: tuple, wrt: list | None) -> tuple[list, list, int, Any]:
+        """Placeholders for ``groups``, and the outputs (operator outputs, then aux leaves) built on them."""
+        inputs = [[_placeholder(a) for a in group] for group in groups]
+        outputs, aux = self._trace(body, call, inputs[0] if wrt is None else wrt, *inputs[1:])
+        aux_outputs, meta = _split_aux(aux)
+        return [p for group in inputs for p in group], list(outputs) + aux_outputs, len(outputs), meta
+
+    def _compile(self, call: Callable, body: Callable, groups: tuple, wrt: list | None = None) -> _Compiled:
+        inputs, outputs, n, meta = self._graph(call, body, groups, wrt)
+        # trust_input: the signature this variant is keyed on fixes every input's type
+        function = pytensor.function(inputs, outputs, mode=self.mode, on_unused_input="ignore", trust_input=True)
+        self.compilations += 1
+        return _Compiled(function, n, meta)
+
+    def _inline(self, call: Callable, body: Callable, groups: tuple, wrt: list | None = None) -> tuple[list, Any]:
+        """Nested use: the operator's graph built into the graph PyTensor is tracing, not compiled."""
+        inputs, outputs, n, meta = self._graph(call, body, groups, wrt)
+        values = [a if isinstance(a, Variable) else pt.as_tensor_variable(a) for group in groups for a in group]
+        outputs = graph_replace(outputs, dict(zip(inputs, values)), strict=False) if outputs else []
+        return outputs[:n], _merge_aux(meta, outputs[n:])
+
+    def _run(self, fn: Any, operator: str, body: Callable, *groups: list, wrt: list | None = None,
+             call: Callable | None = None) -> tuple[list, Any]:
+        """``body``'s outputs for these inputs (``groups``: xs, data, extra), compiled once per input
+        signature and kept in ``fn``'s artefacts, or built into the graph being traced (nested use).
+
+        Implicit mode passes ``wrt`` (the shared variables; ``xs`` is empty) and ``call``, the
+        function of the arguments that reads them."""
+        arrays = [a for group in groups for a in group]
+        call = fn if call is None else call
+        if any(isinstance(a, Variable) for a in arrays):
+            return self._inline(call, body, groups, wrt)
+        variant = _signature(arrays)
+        if wrt is not None:  # the variables' identities too: the compiled graph holds them, so the ids stay theirs
+            variant = (tuple(map(id, wrt)), variant)
+        compiled = artefacts(fn, self, operator).get(variant, lambda: self._compile(call, body, groups, wrt))
+        return compiled(arrays)
+
+    # ----------------------------------------------------------- graph bodies
+    # Each: body(call, wrt, data, *extra) -> (outputs, aux), on symbolic values; `call` is
+    # the flat function, `wrt` what is differentiated (placeholders, or shared variables).
+    @staticmethod
+    def _value(call: Callable, wrt: list, data: list, operator: str | None = None) -> tuple[Any, Any]:
+        y, aux = call(wrt, data)
+        dtype = _float_dtype(wrt, data)
+        y = _narrow(pt.as_tensor_variable(y), dtype)
+        if aux is not None and dtype is not None:
+            aux = optree.tree_map(lambda a: _narrow(a, dtype) if _is_symbolic(a) else a, aux)
+        if operator is not None:
+            _check_scalar(y, operator)
+        return y, aux
+
+    @staticmethod
+    def _grads(y: Any, wrt: list) -> list:
+        grads = pytensor.grad(y, wrt, disconnected_inputs="ignore", return_disconnected="zero")
+        return [_like(g, x.dtype) for g, x in zip(grads, wrt)]
+
+    def _value_body(self, call: Callable, wrt: list, data: list) -> tuple[list, Any]:
+        y, aux = self._value(call, wrt, data)
+        return [y], aux
+
+    def _gradient_body(self, call: Callable, wrt: list, data: list) -> tuple[list, Any]:
+        y, aux = self._value(call, wrt, data, "gradient")
+        return [y, *self._grads(y, wrt)], aux
+
+    def _vjp_body(self, call: Callable, wrt: list, data: list, dy: list) -> tuple[list, Any]:
+        y, _ = self._value(call, wrt, data)
+        grads = pullback(y, wrt, dy[0], disconnected_inputs="ignore", return_disconnected="zero")
+        return [_like(g, x.dtype) for g, x in zip(grads, wrt)], None
+
+    def _jvp_body(self, call: Callable, wrt: list, data: list, tangents: list) -> tuple[list, Any]:
+        y, _ = self._value(call, wrt, data)
+        dy = pushforward(y, wrt, tangents, disconnected_outputs="ignore", return_disconnected="zero")
+        return [_like(dy, y.dtype)], None
+
+    def _jacobian_body(self, call: Callable, wrt: list, data: list) -> tuple[list, Any]:
+        y, _ = self._value(call, wrt, data)
+        # reverse mode, one vectorised pullback over the rows of the identity
+        jacs = jacobian(y, wrt, disconnected_inputs="ignore", vectorize=True)
+        return [y, *(_like(j, y.dtype) for j in jacs)], None
+
+    def _hessian_body(self, call: Callable, wrt: list, data: list) -> tuple[list, Any]:
+        y, _ = self._value(call, wrt, data, "hessian")
+        (x,) = wrt
+        (g,) = self._grads(y, wrt)
+        return [_like(jacobian(g, x, disconnected_inputs="ignore", vectorize=True), x.dtype)], None
+
+    def _hvp_body(self, call: Callable, wrt: list, data: list, tangents: list) -> tuple[list, Any]:
+        y, _ = self._value(call, wrt, data, "hvp")
+        # reverse over reverse: the gradient of <gradient, tangent>
+        hv = hessian_vector_product(y, wrt, tangents, disconnected_inputs="ignore")
+        return [_like(h, x.dtype) for h, x in zip(hv, wrt)], None
+
+    # ------------------------------------------------------------- primitives
+    def flat_value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        (y,), aux = self._run(fn, "value", self._value_body, xs, data)
+
+        def vjp(dy: Any) -> list:
+            return self._run(fn, "vjp", self._vjp_body, xs, data, [dy])[0]
+
+        return y, aux, vjp
+
+    def flat_value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        (y,), aux = self._run(fn, "value", self._value_body, xs, data)
+
+        def jvp(tangents: list) -> Any:
+            return self._run(fn, "jvp", self._jvp_body, xs, data, list(tangents))[0][0]
+
+        return y, aux, jvp
+
+    # ------------------------------------------------------------ fast routes
+    def flat_value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, list]:
+        return self.flat_prepare_value_and_gradient(fn, xs, data)(xs, data)
+
+    def flat_prepare_value_and_gradient(self, fn: Any, xs: list, data: list) -> Callable:
+        def run(xs: list, data: list) -> tuple[Any, Any, list]:
+            outputs, aux = self._run(fn, "value_and_gradient", self._gradient_body, xs, data)
+            return outputs[0], aux, outputs[1:]
+
+        return run
+
+    def flat_jacobian(self, fn: Any, xs: list, data: list) -> tuple[Any, list]:
+        outputs, _ = self._run(fn, "jacobian", self._jacobian_body, xs, data)
+        return outputs[0], list(outputs[1:])
+
+    def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:
+        return self._run(fn, "hessian", self._hessian_body, xs, data)[0][0]
+
+    def flat_hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
+        return self._run(fn, "hvp", self._hvp_body, xs, data, list(tangents))[0]
+
+    # ------------------------------------------------------- implicit routes
+    def _implicit(self, f: Callable[..., Any], args: tuple, has_aux: bool) -> tuple[Any, list, _ImplicitCall]:
+        # f's plan: per f, argument structure, static leaves and what f reads from globals and
+        # closures (a compiled graph freezes those), as in explicit mode; the array leaves of
+        # args become symbolic inputs
+        fn, _, data = flatten_call(self._implicit_plans, f, None, args, has_aux, True, self._check_static)
+        return fn, [self.asarray(d) for d in data], _ImplicitCall(fn)
+
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        fn, data, call = self._implicit(f, args, has_aux)
+        outputs, aux = self._run(fn, "value_and_gradient", self._gradient_body, [], data, wrt=variables, call=call)
+        return outputs[0], aux, outputs[1:]
+
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        fn, data, call = self._implicit(f, args, False)
+        (y,), _ = self._run(fn, "value", self._value_body, [], data, wrt=variables, call=call)
+
+        def vjp(dy: Any) -> list:
+            dy = self.cotangent(dy, y)
+            return self._run(fn, "vjp", self._vjp_body, [], data, [dy], wrt=variables, call=call)[0]
+
+        return y, vjp
+
+
+# ---------------------------------------------------------------------------------------
+# Portable functions: autoray translations for numpy/scipy calls that pytensor.tensor lacks
+# or takes differently (docs/guide/portable.md, conformance_tests/test_portable.py).  Each
+# takes numpy's/scipy's arguments and is built from PyTensor ops that PyTensor
+# differentiates (twice, for the Hessian) and that keep the dtype.  Registered when this
+# adapter is imported, i.e. when a pytensor backend is created.
+def _register_portable_functions() -> None:
+    import autoray
+    from pytensor.tensor import special
+
+    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
+        if b is not None or return_sign:
+            raise NotImplementedError("logsumexp's b= and return_sign= are not supported on PyTensor tensors")
+        return pt.logsumexp(a, axis=axis, keepdims=keepdims)
+
+    def log_softmax(x, axis=None):
+        return x - pt.logsumexp(x, axis=axis, keepdims=True)
+
+    def softmax(x, axis=None):
+        return pt.exp(log_softmax(x, axis=axis))
+
+    def xlogy(x, y):
+        zero = pt.eq(x, 0)
+        return pt.switch(zero, pt.zeros_like(x), x * pt.log(pt.switch(zero, pt.ones_like(y), y)))
+
+    def unary(op: Callable) -> Callable:
+        def numpy_like(x):
+            return op(x)
+
+        return numpy_like
+
+    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
+        return pt.linalg.solve_triangular(a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal)
+
+    def norm(x, ord=None, axis=None, keepdims=False):
+        # pytensor's norm over an axis differentiates through a complex abs, which its grad
+        # refuses: the 2-norm (Frobenius for matrices) of real arrays as sqrt(sum(x**2))
+        x = pt.as_tensor_variable(x)
+        vector = axis is None and x.ndim == 1 or isinstance(axis, int) or axis is not None and len(axis) == 1
+        if x.dtype.startswith("float") and (ord is None or ord == "fro" and not vector or ord == 2 and vector):
+            return pt.sqrt(pt.sum(x * x, axis=axis, keepdims=keepdims))
+        return pt.linalg.norm(x, ord=ord, axis=axis, keepdims=keepdims)
+
+    def prod(a, axis=None, dtype=None, out=None, keepdims=False):
+        # pytensor's prod has no second derivative (its gradient op has none): a balanced
+        # tree of products over the (static) reduced size, exact with zeros, any order
+        if dtype is not None or out is not None:
+            raise NotImplementedError("prod's dtype= and out= are not supported on PyTensor tensors")
+        a = pt.as_tensor_variable(a)
+        axes = tuple(range(a.ndim)) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
+        axes = tuple(ax % a.ndim for ax in axes) if a.ndim else ()
+        sizes = [a.type.shape[ax] for ax in axes]
+        if any(n is None for n in sizes):  # a size known only at run time
+            return pt.prod(a, axis=axis, keepdims=keepdims)
+        n = int(np.prod(sizes))
+        rest = [a.type.shape[d] for d in range(a.ndim) if d not in axes]
+        flat = pt.moveaxis(a, axes, tuple(range(len(axes)))).reshape((n, *rest)) if axes else a[None]
+        while n > 1:
+            half, odd = divmod(n, 2)
+            paired = flat[:half] * flat[half : 2 * half]
+            flat = pt.concatenate([paired, flat[2 * half :]]) if odd else paired
+            n = half + odd
+        result = flat[0] if n == 1 else pt.ones(rest, dtype=a.dtype)
+        return pt.expand_dims(result, axes) if keepdims else result
+
+    def split(ary, indices_or_sections, axis=0):
+        size = ary.type.shape[axis]
+        if isinstance(indices_or_sections, int):
+            if size is None or size % indices_or_sections:
+                raise InvalidArgumentError(
+                    f"array split does not result in an equal division ({size} by {indices_or_sections})"
+                )
+            step = size // indices_or_sections
+            bounds = list(range(0, size + 1, step))
+        else:
+            bounds = [0, *indices_or_sections, size]
+        axis = axis % ary.ndim
+        return [ary[(slice(None),) * axis + (slice(lo, hi),)] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def asarray(a, dtype=None, order=None):
+        a = pt.as_tensor_variable(a)
+        return a if dtype is None else a.astype(dtype)
+
+    def hypot(x1, x2):
+        return pt.sqrt(x1 * x1 + x2 * x2)
+
+    def kron(a, b):
+        return pt.linalg.kron(a, b)
+
+    def ravel(a, order="C"):
+        return pt.flatten(a)
+
+    functions = {
+        "scipy.special.logsumexp": logsumexp,
+        "scipy.special.erf": unary(pt.erf),
+        "scipy.special.erfc": unary(pt.erfc),
+        "scipy.special.expit": unary(pt.sigmoid),
+        "scipy.special.logit": unary(special.logit),
+        "scipy.special.gammaln": unary(pt.gammaln),
+        "scipy.special.digamma": unary(pt.digamma),
+        "scipy.special.xlogy": xlogy,
+        "scipy.special.softmax": softmax,
+        "scipy.special.log_softmax": log_softmax,
+        "scipy.linalg.solve_triangular": solve_triangular,
+        "linalg.norm": norm,
+        "prod": prod,
+        "split": split,
+        "asarray": asarray,
+        "hypot": hypot,
+        "kron": kron,
+        "ravel": ravel,
+    }
+    for name, fn in functions.items():
+        autoray.register_function("pytensor", name, fn)
+
+
+_register_portable_functions()
