@@ -165,7 +165,10 @@ def write_markdown(
             "",
             "Variants: *native* is the fastest idiomatic call of each library (jax `jit(value_and_grad)`, "
             "torch `autograd.grad` on fresh leaves, tensorflow `tf.function` around a `GradientTape`, autograd "
-            "`value_and_grad`); *abstractdiff* is `ad.value_and_gradient(b, f, x, *args)`; *prepared* is "
+            "`value_and_grad`, MLX `mx.compile(mx.value_and_grad)`, paddle `paddle.grad` on fresh leaves, "
+            "PyTensor a compiled `pytensor.function` of the value and `pytensor.grad`); *abstractdiff* is "
+            "`ad.value_and_gradient(b, f, x, *args)` (the MLX backend with `compile=True`, its native "
+            "counterpart; every other backend with its defaults); *prepared* is "
             "`ad.prepare_value_and_gradient(...)` called repeatedly; *EagerPy* is `eagerpy.value_and_grad` "
             "(one tensor: pytrees are raveled). *spread* is half the interquartile range of native's per-round "
             "times relative to its median: ratios closer to 1 than that are within this machine's noise (a ratio "

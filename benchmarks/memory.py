@@ -53,11 +53,11 @@ def measure(backend: str, variant: str, dtype: str = "float32", calls: int = 3) 
     """Run in the current (fresh) process: peak RSS growth of ``calls`` gradients, in MiB."""
     import abstractdiff as ad
 
-    from .harness import NATIVE, _synchronizer, _to
+    from .harness import NATIVE, _synchronizer, _to, bench_backend
     from .workloads import gmm
 
     wl = gmm(n=10000)
-    b = ad.backend(backend)
+    b = bench_backend(backend)
     sync = _synchronizer(backend)
     x, args = _to(b, wl.x, dtype), _to(b, wl.args, dtype)
     if variant == "native":
@@ -139,7 +139,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 def main() -> int:
     import abstractdiff as ad
 
-    backends = [b for b in ("jax", "torch", "tensorflow", "autograd") if b in ad.available_backends()]
+    from .__main__ import BACKENDS
+
+    backends = [b for b in BACKENDS if b in ad.available_backends()]
     print("\n".join(table(run_all(backends))))
     return 0
 
