@@ -433,6 +433,8 @@ def _agreement_lines(dtype: str, agreement: Any, approximate: Collection[str] = 
     """
     pairs: dict[str, dict[str, Any]] = {}
     for r in agreement.results:
+        if r.dtype != dtype and r.ok:  # a passing switching step of the other dtype: not this line's figure
+            continue
         p = pairs.setdefault(r.backend, {"ok": True, "max": None, "n": 0, "failed": 0})
         p["ok"] = p["ok"] and r.ok
         p["n"] += 1
@@ -506,7 +508,9 @@ def _agreement_section(plan: Plan, reports: list[Any], approximate: Collection[s
 
     out = _Section(["cross-backend agreement (cpu; pairwise, tolerance the sum of both backends' own):"])
     for dtype in plan.dtypes:
-        same = [rep for rep in reports if rep.device == "cpu" and any(r.dtype == dtype for r in rep.results)]
+        # a report's dtype is its job's (its first result's): the switching family, in the
+        # first dtype's reports, adds steps of the other dtype, compared there too
+        same = [rep for rep in reports if rep.device == "cpu" and rep.results and rep.results[0].dtype == dtype]
         if len(same) < 2:
             continue
         agreement = testing.compare_reports(same)
