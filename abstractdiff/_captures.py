@@ -41,6 +41,11 @@ _SCALARS = (bool, int, str, bytes, complex, type(None))
 
 
 def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module: str | None = None) -> Any:
+    kind = type(value)
+    if kind is types.ModuleType:  # the commonest global (np, jnp, torch): one type test
+        return None
+    if kind is float:
+        return (float, value.hex())
     if isinstance(value, float):
         return (float, value.hex())
     if isinstance(value, _SCALARS):
@@ -97,12 +102,13 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple
         f = f.__func__
     if not isinstance(f, types.FunctionType):
         return ()
-    out: list[Any] = []
     globals_ = f.__globals__
     module = f.__module__
-    for name in _code_names(f.__code__):
-        if name in globals_:
-            out.append((name, _value_key(globals_[name], alive, depth, seen, module)))
+    out = [
+        (name, _value_key(globals_[name], alive, depth, seen, module))
+        for name in _code_names(f.__code__)
+        if name in globals_
+    ]
     for i, cell in enumerate(f.__closure__ or ()):
         try:
             contents = cell.cell_contents

@@ -386,6 +386,7 @@ def register_pytree_node(
         >>> np.round(g.w, 6), round(float(g.b), 6)
         (array([2., 2.]), 1.0)
     """
+    _LEAF_ARRAY_TYPES.discard(cls)
     sentinel = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
     if sentinel is not None:
         try:
@@ -500,6 +501,17 @@ class PlanCache:
         self._functions.clear()
 
 
+#: Array types seen to be pytree leaves themselves (``x`` flattens to ``[x]``), for the fast
+#: path of :func:`flatten_call`; a type registered as a pytree node later leaves the set.
+_LEAF_ARRAY_TYPES: set[type] = set()
+_LEAF_TREEDEF = optree.tree_structure(0.0)
+_NO_ARGS_TREEDEF = optree.tree_structure(())
+#: The plan-cache key of f(x) with one float array x and no arguments, by has_aux.
+_ONE_ARRAY = {
+    aux: (_LEAF_TREEDEF, _NO_ARGS_TREEDEF, (0,), (), (), aux) for aux in (False, True)
+}
+
+
 def flatten_call(
     cache: PlanCache | None,
     f: Callable[..., Any],
@@ -516,32 +528,43 @@ def flatten_call(
     (:func:`abstractdiff._captures.captures`): a changed value gets a new plan.
     ``check_static(leaf, where)`` may refuse a static leaf (it runs when a plan is built).
     """
-    x_leaves, x_treedef = optree.tree_flatten(x)
-    a_leaves, a_treedef = optree.tree_flatten(args)
-    diff_index = []
-    data_index = []
-    static = []
-    for i, leaf in enumerate(x_leaves):
-        kind = leaf_kind(leaf, True)
-        if kind == DIFF:
-            diff_index.append(i)
-        elif kind == DATA:
-            data_index.append(i)
-        else:
-            static.append((i, _static_key(leaf)))
-    n = len(x_leaves)
-    for j, leaf in enumerate(a_leaves):
-        kind = leaf_kind(leaf, False)
-        if kind == DATA:
-            data_index.append(n + j)
-        else:
-            static.append((n + j, _static_key(leaf)))
-    key = structure = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
+    if not args and type(x) in _LEAF_ARRAY_TYPES and is_float_dtype(x.dtype):
+        # The hot path of the commonest call, f(x) with one float array: its structure is
+        # known without flattening (what the general path below would compute).
+        leaves = [x]
+        n = 1
+        diff_index, data_index, static = [0], [], []
+        key = structure = _ONE_ARRAY[has_aux]
+        x_treedef, a_treedef = _LEAF_TREEDEF, _NO_ARGS_TREEDEF
+    else:
+        x_leaves, x_treedef = optree.tree_flatten(x)
+        a_leaves, a_treedef = optree.tree_flatten(args)
+        diff_index = []
+        data_index = []
+        static = []
+        for i, leaf in enumerate(x_leaves):
+            kind = leaf_kind(leaf, True)
+            if kind == DIFF:
+                diff_index.append(i)
+            elif kind == DATA:
+                data_index.append(i)
+            else:
+                static.append((i, _static_key(leaf)))
+        n = len(x_leaves)
+        for j, leaf in enumerate(a_leaves):
+            kind = leaf_kind(leaf, False)
+            if kind == DATA:
+                data_index.append(n + j)
+            else:
+                static.append((n + j, _static_key(leaf)))
+        key = structure = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
+        leaves = x_leaves + a_leaves
+        if n == 1 and x_leaves[0] is x and type(x) in _ARRAY_TYPES:
+            _LEAF_ARRAY_TYPES.add(type(x))  # an array that is its own (single) leaf
     alive: list[Any] = []
     if track_captures:
         captured, alive = captures(f)
         key = structure + (captured,)
-    leaves = x_leaves + a_leaves
     fn = cache.lookup(f, key) if cache is not None else None
     if fn is not None and alive and not fn.captured_alive():
         fn = None  # an object it named by identity died, and its id is now another's

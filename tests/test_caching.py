@@ -71,3 +71,39 @@ def test_autograd_leaves_the_warning_registry_alone():
             ad.gradient(b, lambda x: (x**2).sum(), np.ones(2))
             ad.gradient(b, lambda x: np.float64(1.0) + 0 * x.sum(), np.ones(2))
     assert len([w for w in seen if "deprecated thing" in str(w.message)]) == 1
+
+
+def test_one_array_fast_path_shares_the_general_plan():
+    # f(x) with one float array skips flattening; its plan must be the one the general
+    # path (a prepared operator, an argument) finds, and results must agree.
+    b = ad.backend("finite_differences")
+
+    def f(x, scale=1.0):
+        return scale * (x**2).sum()
+
+    x = np.array([1.0, 2.0])
+    ad.gradient(b, f, x)
+    ad.gradient(b, f, x)  # the fast path now
+    prepared = ad.prepare_gradient(b, f, x)
+    assert len(b._plans._functions.get((f,))) == 1
+    np.testing.assert_allclose(prepared(x), ad.gradient(b, f, x), rtol=1e-6)
+    np.testing.assert_allclose(ad.gradient(b, f, x, 3.0), 3 * ad.gradient(b, f, x), rtol=1e-6)
+
+
+def test_array_type_registered_as_a_node_after_use_is_flattened():
+    # An array type first met as a leaf, then registered as a pytree node: the fast path
+    # must not keep treating it as one leaf.  This node has no children (its values are
+    # metadata), so flattening it finds nothing to differentiate.
+    class Frozen(np.ndarray):
+        pass
+
+    b = ad.backend("finite_differences")
+    x = np.array([1.0, 2.0]).view(Frozen)
+    f = lambda v: (v**2).sum()  # noqa: E731
+    ad.gradient(b, f, x)
+    ad.gradient(b, f, x)
+    ad.register_pytree_node(
+        Frozen, lambda v: ((), tuple(np.asarray(v).tolist())), lambda meta, _: np.array(meta).view(Frozen)
+    )
+    with pytest.raises(ad.NonDifferentiableInputError):
+        ad.gradient(b, f, x)
