@@ -91,17 +91,20 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple
     if id(f) in seen:
         return ()
     seen.add(id(f))
-    if isinstance(f, functools.partial):
+    if type(f) is types.FunctionType:  # the common case first: one type test
+        pass
+    elif isinstance(f, functools.partial):
         module = getattr(f.func, "__module__", None)
         parts = (
             tuple(_value_key(a, alive, depth, seen, module) for a in f.args),
             tuple((k, _value_key(v, alive, depth, seen, module)) for k, v in sorted(f.keywords.items())),
         )
         return (parts, _function_key(f.func, alive, depth, seen))
-    if isinstance(f, types.MethodType):
-        f = f.__func__
-    if not isinstance(f, types.FunctionType):
-        return ()
+    else:
+        if isinstance(f, types.MethodType):
+            f = f.__func__
+        if not isinstance(f, types.FunctionType):
+            return ()
     globals_ = f.__globals__
     module = f.__module__
     out = [

@@ -74,6 +74,17 @@ def is_array(obj: Any) -> bool:
 _ARRAY_TYPES: set[type] = set()  # leaf types already seen to be arrays (not Python scalars)
 
 
+#: Array types seen to be pytree leaves themselves (``x`` flattens to ``[x]``), for the fast
+#: path of :func:`flatten_call`; a type registered as a pytree node later leaves the set.
+_LEAF_ARRAY_TYPES: set[type] = set()
+_LEAF_TREEDEF = optree.tree_structure(0.0)
+_NO_ARGS_TREEDEF = optree.tree_structure(())
+#: The plan-cache key of f(x) with one float array x and no arguments, by has_aux.
+_ONE_ARRAY = {
+    aux: (_LEAF_TREEDEF, _NO_ARGS_TREEDEF, (0,), (), (), aux) for aux in (False, True)
+}
+
+
 def leaf_kind(leaf: Any, differentiable: bool) -> int:
     """Classify one leaf as DIFF, DATA or STATIC (see the module docstring)."""
     if type(leaf) in _ARRAY_TYPES:  # the hot path: an array type met before
@@ -202,6 +213,7 @@ class FlatFunction(HasArtefacts):
         "_artefacts",
         "_preparations",
         "_captured",
+        "_one_array",
         "__weakref__",
     )
 
@@ -229,6 +241,11 @@ class FlatFunction(HasArtefacts):
         self._preparations: dict[Any, Any] = {}
         # objects f reads that its plan key names by identity (see abstractdiff._captures)
         self._captured: list[Callable[[], Any]] = []
+        # f(x) with x one float array and no arguments: rebuilding is the identity (hot path)
+        self._one_array = (
+            n_x_leaves == 1 and diff_index == (0,) and not data_index
+            and x_treedef == _LEAF_TREEDEF and args_treedef == _NO_ARGS_TREEDEF
+        )
 
     def hold_captured(self, objects: list[Any]) -> None:
         """Remember the objects the plan key names by identity: weakly where possible, else
@@ -271,12 +288,18 @@ class FlatFunction(HasArtefacts):
         return x, args
 
     def __call__(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
-        x, args = self.rebuild(xs, data)
-        y, aux = split_aux(self.f(x, *args), self.has_aux)
+        if self._one_array:
+            out = self.f(xs[0])
+        else:
+            x, args = self.rebuild(xs, data)
+            out = self.f(x, *args)
+        y, aux = split_aux(out, self.has_aux)
         return check_output(y), aux
 
     def unflatten_x(self, values: list[Any], fill: Any = None) -> PyTree:
         """A tree shaped like ``x`` with ``values`` at the float leaves, ``fill`` elsewhere."""
+        if self._one_array:
+            return values[0]
         leaves = [fill] * self.n_x_leaves
         for i, v in zip(self.diff_index, values):
             leaves[i] = v
@@ -499,17 +522,6 @@ class PlanCache:
 
     def clear(self) -> None:
         self._functions.clear()
-
-
-#: Array types seen to be pytree leaves themselves (``x`` flattens to ``[x]``), for the fast
-#: path of :func:`flatten_call`; a type registered as a pytree node later leaves the set.
-_LEAF_ARRAY_TYPES: set[type] = set()
-_LEAF_TREEDEF = optree.tree_structure(0.0)
-_NO_ARGS_TREEDEF = optree.tree_structure(())
-#: The plan-cache key of f(x) with one float array x and no arguments, by has_aux.
-_ONE_ARRAY = {
-    aux: (_LEAF_TREEDEF, _NO_ARGS_TREEDEF, (0,), (), (), aux) for aux in (False, True)
-}
 
 
 def flatten_call(

@@ -77,11 +77,16 @@ def _explains_numpy_mix(method: Callable) -> Callable:
         try:
             return method(*args, **kwargs)
         except (TypeError, RuntimeError) as err:
-            if _NUMPY_MIX.search(str(err)) and _NUMPY_HINT not in getattr(err, "__notes__", ()):
-                err.add_note(_NUMPY_HINT)
+            _add_numpy_hint(err)
             raise
 
     return operator
+
+
+def _add_numpy_hint(err: BaseException) -> None:
+    """Add the numpy/torch mix-up hint to ``err`` when that is what it is (once)."""
+    if _NUMPY_MIX.search(str(err)) and _NUMPY_HINT not in getattr(err, "__notes__", ()):
+        err.add_note(_NUMPY_HINT)
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -454,6 +459,45 @@ class TorchBackend(Backend):
         if nested:
             return y, aux, grads
         return y.detach(), (None if aux is None else self._detached(aux)), grads
+
+    def flat_prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], tuple]:
+        # The hot path of training loops and small functions: in the common case (eager,
+        # grad mode on, no input already in a graph, no torch.func transform active) the
+        # call is native's own few lines; anything else takes the general route above.
+        general = functools.partial(self.flat_value_and_gradient, fn)
+        if self.compile:
+            return general
+        grad = torch.autograd.grad
+        transform_active = torch._C._functorch.peek_interpreter_stack
+        grad_enabled = torch.is_grad_enabled
+        tensor = torch.Tensor
+        as_tensor = self._tensor
+        detached = self._detached
+
+        def run(xs: list, data: list) -> tuple[Any, Any, list]:
+            if transform_active() is not None or not grad_enabled():
+                return general(xs, data)
+            for t in xs:
+                if t.requires_grad:
+                    return general(xs, data)
+            for t in data:
+                if isinstance(t, tensor) and t.requires_grad:
+                    return general(xs, data)
+            leaves = [x.detach().requires_grad_() for x in xs]
+            try:
+                y, aux = fn(leaves, data)
+            except (TypeError, RuntimeError) as err:
+                _add_numpy_hint(err)
+                raise
+            if not isinstance(y, tensor):
+                y = as_tensor(y)
+            check_scalar(y)
+            if not y.requires_grad:
+                return y, (None if aux is None else detached(aux)), [None] * len(leaves)
+            grads = grad(y, leaves, allow_unused=True)
+            return y.detach(), (None if aux is None else detached(aux)), list(grads)
+
+        return run
 
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
