@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import abstractdiff as ad
 
-from . import import_time, memory
+from . import import_time, memory, operators
 from .harness import Result, run_backend
 from .workloads import WORKLOADS
 
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory comparison")
     parser.add_argument("--no-import", action="store_true", help="skip the import-time comparison")
+    parser.add_argument("--no-operators", action="store_true", help="skip the jacobian and hvp comparison")
     opts = parser.parse_args(argv)
 
     available = set(ad.available_backends())
@@ -92,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     capture_lines = captures_table(workloads)
     print("\n".join(capture_lines))
+    operator_lines: list[str] = []
+    if not opts.no_operators:
+        names = [b for b in backends if b in operators.BACKENDS]
+        print(f"  jacobian and hvp / {', '.join(names)} ...", file=sys.stderr, flush=True)
+        operator_lines = operators.table(operators.run(names, opts.dtype, opts.rounds, opts.min_time))
+        print("\n".join(operator_lines))
     memory_lines: list[str] = []
     if not opts.no_memory:
         print("  peak memory (fresh processes) ...", file=sys.stderr, flush=True)
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         import_lines = import_table()
         print("\n".join(import_lines))
     if not opts.no_write:
-        write_markdown(opts, workloads, lines, memory_lines, import_lines, capture_lines)
+        write_markdown(opts, workloads, lines, memory_lines, import_lines, capture_lines, operator_lines)
     return 0
 
 
@@ -148,6 +155,7 @@ def write_markdown(
     memory_lines: list[str],
     import_lines: list[str],
     capture_lines: list[str],
+    operator_lines: list[str],
 ) -> None:
     descriptions = [f"- `{name}`: {WORKLOADS[name]().description}" for name in workloads]
     targets = [
@@ -194,6 +202,20 @@ def write_markdown(
             "",
             *capture_lines,
             "",
+            *(
+                [
+                    "## Jacobians and Hessian-vector products",
+                    "",
+                    *operators.DESCRIPTION,
+                    "",
+                    f"Target: prepared <= {operators.TARGET} x native.",
+                    "",
+                    *operator_lines,
+                    "",
+                ]
+                if operator_lines
+                else []
+            ),
             "## Peak memory of a gradient",
             "",
             "Growth of the process's peak resident set over its size just before, for three "
