@@ -12,6 +12,8 @@ backend is first created.
 from __future__ import annotations
 
 from ._backend import Backend
+from ._batch import Batch
+from ._compose import differentiate_with
 from ._convert import to_numpy
 from ._errors import (
     AbstractDiffError,
@@ -19,6 +21,7 @@ from ._errors import (
     BackendUnavailableError,
     CheckpointError,
     CollectedError,
+    CompositionError,
     DeviceError,
     InvalidArgumentError,
     InvalidOutputError,
@@ -35,26 +38,38 @@ from ._errors import (
 from ._operators import (
     derivative,
     gradient,
+    gradient_and_hvp,
     hessian,
     hvp,
     jacobian,
     pullback,
     pushforward,
+    second_derivative,
+    value_and_derivative,
     value_and_gradient,
+    value_and_jacobian,
     value_and_pullback,
     value_and_pushforward,
+    value_derivative_and_second_derivative,
+    value_gradient_and_hessian,
 )
 from ._prepare import (  # already imported by the backend module: nothing to defer
     prepare_derivative,
     prepare_gradient,
+    prepare_gradient_and_hvp,
     prepare_hessian,
     prepare_hvp,
     prepare_jacobian,
     prepare_pullback,
     prepare_pushforward,
+    prepare_second_derivative,
+    prepare_value_and_derivative,
     prepare_value_and_gradient,
+    prepare_value_and_jacobian,
     prepare_value_and_pullback,
     prepare_value_and_pushforward,
+    prepare_value_derivative_and_second_derivative,
+    prepare_value_gradient_and_hessian,
 )
 from ._registry import available_backends, backend, register_backend, registered_backends
 from ._tree import register_pytree_node
@@ -69,6 +84,7 @@ _LAZY = {
     "Variable": "abstractdiff._implicit",
     "variables": "abstractdiff._implicit",
     "Implicit": "abstractdiff._implicit_backend",
+    "SecondOrder": "abstractdiff._second_order",
     "train_step": "abstractdiff._train",
     "train": "abstractdiff._train",
     "save_checkpoint": "abstractdiff._checkpoint",
@@ -97,10 +113,12 @@ def __dir__() -> list[str]:
 __all__ = [
     "AbstractDiffError",
     "ArgumentTypeError",
+    "Batch",
     "InvalidArgumentError",
     "UnknownVariableError",
     "Grads",
     "Implicit",
+    "SecondOrder",
     "Params",
     "Variable",
     "load_checkpoint",
@@ -116,6 +134,12 @@ __all__ = [
     "prepare_value_and_gradient",
     "prepare_value_and_pullback",
     "prepare_value_and_pushforward",
+    "prepare_gradient_and_hvp",
+    "prepare_second_derivative",
+    "prepare_value_and_derivative",
+    "prepare_value_and_jacobian",
+    "prepare_value_derivative_and_second_derivative",
+    "prepare_value_gradient_and_hessian",
     "save_checkpoint",
     "testing",
     "train",
@@ -125,6 +149,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointError",
     "CollectedError",
+    "CompositionError",
     "DeviceError",
     "InvalidOutputError",
     "ModeMismatchError",
@@ -138,6 +163,7 @@ __all__ = [
     "available_backends",
     "backend",
     "derivative",
+    "differentiate_with",
     "gradient",
     "hessian",
     "hvp",
@@ -151,4 +177,10 @@ __all__ = [
     "value_and_gradient",
     "value_and_pullback",
     "value_and_pushforward",
+    "gradient_and_hvp",
+    "second_derivative",
+    "value_and_derivative",
+    "value_and_jacobian",
+    "value_derivative_and_second_derivative",
+    "value_gradient_and_hessian",
 ]

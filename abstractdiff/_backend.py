@@ -22,6 +22,7 @@ import numpy as np
 import optree
 
 from ._arrays import check_scalar, dtype_name, shape_of, size_of
+from ._batch import Batch
 from ._derived import DerivedOperators, GradientDotTangent, GradientFunction
 from ._errors import (
     ArgumentTypeError,
@@ -30,7 +31,7 @@ from ._errors import (
     NonDifferentiableInputError,
     ShapeMismatchError,
 )
-from ._prepare import PREPARATIONS, PREPARED, Preparation, Prepared, PreparedHvp
+from ._prepare import PREPARATIONS, PREPARED, TANGENT_OPERATORS, Preparation, Prepared
 from ._tree import (
     BASIC_STATIC,
     FlatFunction,
@@ -160,6 +161,11 @@ class Backend(DerivedOperators):
 
     def tangents(self, fn: FlatFunction, xs: list, dx: PyTree, what: str = "tangent") -> list:
         """The float leaves of ``dx``, a tree shaped like ``x``, checked and converted."""
+        if isinstance(dx, Batch):
+            raise ShapeMismatchError(
+                f"{what} must be one tree shaped like x, got an ad.Batch of {len(dx)}; only the closures "
+                f"that pushforward and pullback return take a Batch (pass its members one at a time here)"
+            )
         try:
             leaves = fn.x_treedef.flatten_up_to(dx)
         except (ValueError, TypeError) as err:
@@ -204,11 +210,12 @@ class Backend(DerivedOperators):
         tangent: Any = None,
     ) -> Prepared:
         """``operator`` (``"gradient"``, ``"hvp"``...) prepared for ``f`` at inputs shaped like
-        ``(x, *args)``; what ``ad.prepare_<operator>`` returns.  ``tangent`` is hvp's ``v``."""
+        ``(x, *args)``; what ``ad.prepare_<operator>`` returns.  ``tangent`` is the ``v`` of hvp
+        and gradient_and_hvp."""
         if operator not in PREPARED:
             raise InvalidArgumentError(f"unknown operator {operator!r}; known: {', '.join(sorted(PREPARED))}")
-        if operator == "hvp":
-            return PreparedHvp(self, f, x, tangent, args)
+        if operator in TANGENT_OPERATORS:
+            return PREPARED[operator](self, f, x, tangent, args)  # type: ignore[call-arg]
         return PREPARED[operator](self, f, x, args, has_aux)
 
     def _unprepared(self, cls: type[Preparation], f: Callable[..., Any], x: Any, args: tuple, *extra: Any,
@@ -263,10 +270,36 @@ class Backend(DerivedOperators):
         """Hessian-vector product shaped like ``x``; see :func:`abstractdiff.hvp`."""
         return self._unprepared(PREPARATIONS["hvp"], f, x, args, v)
 
+    def value_and_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any]:
+        """``(y, dy/dx)`` for scalar ``x``; see :func:`abstractdiff.value_and_derivative`."""
+        return self._unprepared(PREPARATIONS["value_and_derivative"], f, x, args)
+
+    def second_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+        """``d2y/dx2`` for scalar ``x``, shaped like ``y``; see :func:`abstractdiff.second_derivative`."""
+        return self._unprepared(PREPARATIONS["second_derivative"], f, x, args)
+
+    def value_derivative_and_second_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any, Any]:
+        """``(y, dy/dx, d2y/dx2)`` for scalar ``x``; see :func:`abstractdiff.value_derivative_and_second_derivative`."""
+        return self._unprepared(PREPARATIONS["value_derivative_and_second_derivative"], f, x, args)
+
+    def value_and_jacobian(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, PyTree]:
+        """``(y, J)``; see :func:`abstractdiff.value_and_jacobian`."""
+        return self._unprepared(PREPARATIONS["value_and_jacobian"], f, x, args)
+
+    def value_gradient_and_hessian(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, PyTree, PyTree]:
+        """``(y, g, H)`` of scalar ``f``; see :func:`abstractdiff.value_gradient_and_hessian`."""
+        return self._unprepared(PREPARATIONS["value_gradient_and_hessian"], f, x, args)
+
+    def gradient_and_hvp(self, f: Callable[..., Any], x: PyTree, v: PyTree, *args: Any) -> tuple[PyTree, PyTree]:
+        """``(g, H @ v)``, both shaped like ``x``; see :func:`abstractdiff.gradient_and_hvp`."""
+        return self._unprepared(PREPARATIONS["gradient_and_hvp"], f, x, args, v)
+
 
 #: The core's public operator functions and methods, for adapters of libraries that
 #: rewrite the code they call (TensorFlow's autograph marks them to be left alone).
 OPERATOR_METHODS = (
     "value_and_gradient", "gradient", "value_and_pullback", "pullback", "value_and_pushforward",
-    "pushforward", "derivative", "jacobian", "hessian", "hvp", "_unprepared", "asarray", "convert",
+    "pushforward", "derivative", "jacobian", "hessian", "hvp", "value_and_derivative", "second_derivative",
+    "value_derivative_and_second_derivative", "value_and_jacobian", "value_gradient_and_hessian", "gradient_and_hvp",
+    "_unprepared", "asarray", "convert",
 )

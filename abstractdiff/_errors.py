@@ -16,6 +16,7 @@ __all__ = [
     "UnknownVariableError",
     "CollectedError",
     "BackendUnavailableError",
+    "CompositionError",
     "CheckpointError",
     "DeviceError",
     "InvalidOutputError",
@@ -93,6 +94,11 @@ class TracedControlFlowError(AbstractDiffError, TypeError):
 
 class CheckpointError(AbstractDiffError, ValueError):
     """A checkpoint file is truncated, unsafe, or does not match the expected structure."""
+
+
+class CompositionError(AbstractDiffError, NotImplementedError):
+    """A composition of libraries abstractdiff cannot differentiate: a second derivative
+    through :func:`abstractdiff.differentiate_with`'s boundary, or a pair with no route."""
 
 
 class NonFiniteInputError(AbstractDiffError, ValueError):

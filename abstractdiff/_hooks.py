@@ -16,15 +16,21 @@ a test keeps the two in step).
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
 import numpy as np
 
 from ._arrays import ar, dtype_name
-from ._errors import DeviceError, NonDifferentiableInputError
+from ._errors import DeviceError, InvalidArgumentError, NonDifferentiableInputError
 from ._tree import PlanCache, is_float_dtype
 
-__all__ = ["HOOKS", "AdapterHooks"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "HOOKS", "AdapterHooks"]
+
+#: Basis vectors per batched call of a derived Jacobian when a backend's ``chunk_size``
+#: is ``None``: a Jacobian with up to this many rows (reverse) or columns (forward) is one
+#: batched call; a larger one is split into ``ceil(n / 64)`` calls of equal size.
+DEFAULT_CHUNK_SIZE = 64
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -38,6 +44,14 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "flat_jacobian",
         "flat_hessian",
         "flat_hvp",
+        "flat_value_and_derivative",
+        "flat_second_derivative",
+        "flat_value_derivative_and_second_derivative",
+        "flat_hessian_blocks",
+        "flat_value_gradient_and_hessian",
+        "flat_gradient_and_hvp",
+        "flat_value_and_batched_pushforward",
+        "flat_value_and_batched_pullback",
     ),
     "arrays": (
         "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",
@@ -58,15 +72,19 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "implicit_value_and_gradient",
         "implicit_value_and_pullback",
     ),
+    "composition": ("foreign_function",),
 }
 
 
 class AdapterHooks:
     """The adapter side of a backend: traits, the two primitives, and the hooks.
 
-    ``AdapterHooks(*, device=None, **options)``: ``device`` is normalised by
-    :meth:`normalise_device`; ``options`` (the adapter's own, such as ``compile``) are
-    kept in ``self.options`` and make two backends of one class equal when they match.
+    ``AdapterHooks(*, device=None, chunk_size=None, **options)``: ``device`` is normalised
+    by :meth:`normalise_device`; ``chunk_size`` (an option of every backend, checked here)
+    is how many basis vectors a derived Jacobian pushes or pulls in one batched call
+    (``None``: up to :data:`DEFAULT_CHUNK_SIZE`); ``options`` (the adapter's own, such as
+    ``compile``) are kept in ``self.options`` and make two backends of one class equal
+    when they match.
     """
 
     # ------------------------------------------------------------------ traits
@@ -85,8 +103,18 @@ class AdapterHooks:
     #: values ``f`` reads by closure or global are then frozen into the trace, so the core
     #: keys its plans on them too (a property where it depends on an option such as ``compile``).
     reuses_traces: ClassVar[bool] = False
+    #: Basis vectors per batched call of a derived Jacobian (``None``: up to
+    #: :data:`DEFAULT_CHUNK_SIZE`); set by the ``chunk_size`` option.
+    chunk_size: int | None = None
 
-    def __init__(self, *, device: str | None = None, **options: Any):
+    def __init__(self, *, device: str | None = None, chunk_size: int | None = None, **options: Any):
+        if chunk_size is not None:
+            if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+                raise InvalidArgumentError(
+                    f"chunk_size must be a positive int (basis vectors per batched call of a Jacobian) "
+                    f"or None for the default, got {chunk_size!r}"
+                )
+            self.chunk_size = options["chunk_size"] = int(chunk_size)
         self.device = self.normalise_device(device)
         self.options: dict[str, Any] = {"device": self.device, **options}
         self._plans = PlanCache()
@@ -271,3 +299,22 @@ class AdapterHooks:
     @property
     def has_implicit_route(self) -> bool:
         return type(self).implicit_value_and_gradient is not AdapterHooks.implicit_value_and_gradient
+
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        """``kernel`` (an :class:`abstractdiff._compose.ForeignKernel`: another library's
+        function of one flat vector) as a function of one flat array of this library that
+        this library can differentiate: its value is ``kernel.value``, its pullback
+        ``kernel.vjp`` and (where this library has forward mode) its pushforward
+        ``kernel.jvp``, each on numpy vectors, wired in through the library's own
+        custom-derivative mechanism (``torch.autograd.Function``, ``jax.custom_vjp``...).
+        What :func:`abstractdiff.differentiate_with` calls when this library's code calls
+        a kernel written for another.  A derivative of the derivative must raise
+        :class:`~abstractdiff.CompositionError`, never come out silently zero.
+        """
+        from ._errors import CompositionError
+
+        raise CompositionError(
+            f"the {self.name} backend cannot call a function differentiated by another library: its "
+            f"adapter does not implement the foreign_function hook (see the adapter guide)"
+        )

@@ -55,7 +55,11 @@ __all__ = ["Implicit", "IMPLICIT_OPERATORS"]
 
 #: The operators of implicit mode; the others need an explicit x (the error says which backend).
 IMPLICIT_OPERATORS = ("gradient", "value_and_gradient", "pullback", "value_and_pullback")
-_EXPLICIT_ONLY = ("value_and_pushforward", "pushforward", "derivative", "jacobian", "hessian", "hvp")
+_EXPLICIT_ONLY = (
+    "value_and_pushforward", "pushforward", "derivative", "jacobian", "hessian", "hvp", "value_and_derivative",
+    "second_derivative", "value_derivative_and_second_derivative", "value_and_jacobian",
+    "value_gradient_and_hessian", "gradient_and_hvp",
+)
 
 
 class _Seen(threading.local):

@@ -16,14 +16,20 @@ from ._registry import backend as _get_backend
 __all__ = [
     "derivative",
     "gradient",
+    "gradient_and_hvp",
     "hessian",
     "hvp",
     "jacobian",
     "pullback",
     "pushforward",
+    "second_derivative",
+    "value_and_derivative",
     "value_and_gradient",
+    "value_and_jacobian",
     "value_and_pullback",
     "value_and_pushforward",
+    "value_derivative_and_second_derivative",
+    "value_gradient_and_hessian",
 ]
 
 
@@ -153,13 +159,24 @@ def jacobian(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> Any
 def hessian(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> Any:
     """Hessian of scalar ``f``: ``hessian(b, f, x, *args) -> H`` with ``H.shape == x.shape + x.shape``.
 
-    ``x`` must hold exactly one float array (use :func:`hvp` for pytrees).
+    For a pytree ``x``, ``H`` has the layout of ``jax.hessian``: a tree shaped like ``x``
+    whose entry at float leaf ``i`` is a tree shaped like ``x`` whose entry at float leaf
+    ``j`` is the block ``d2f / dx_i dx_j`` of shape ``leaf_i.shape + leaf_j.shape``;
+    non-float leaves get ``None``, outside and inside (as in :func:`gradient`).  For large
+    inputs prefer :func:`hvp`, which never builds the Hessian.
+
+    Raises:
+        NonScalarOutputError: ``f`` returned a non-scalar.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
         >>> np.round(ad.hessian("finite_differences", lambda x: x[0] ** 2 * x[1], np.array([1.0, 2.0])), 5) + 0.0
         array([[4., 2.],
                [2., 0.]])
+        >>> H = ad.hessian("finite_differences", lambda t: (t["a"] ** 2).sum() * t["b"], {"a": np.ones(2), "b": 3.0})
+        >>> H["a"]["b"].shape, round(float(H["b"]["b"]), 6), np.round(H["a"]["a"], 4) + 0.0
+        ((2,), 0.0, array([[6., 0.],
+               [0., 6.]]))
     """
     return _b(b).hessian(f, x, *args)
 
@@ -175,3 +192,102 @@ def hvp(b: Backend | str, f: Callable[..., Any], x: Any, v: Any, *args: Any) -> 
         array([ 6., 12.])
     """
     return _b(b).hvp(f, x, v, *args)
+
+
+def value_and_derivative(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any]:
+    """Value and derivative at a scalar ``x``: ``value_and_derivative(b, f, x, *args) -> (y, dy/dx)``.
+
+    ``dy/dx`` is shaped like ``y``.
+
+    Raises:
+        ShapeMismatchError: ``x`` is not one float of shape ``()`` (use :func:`value_and_jacobian`).
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> y, d = ad.value_and_derivative("finite_differences", np.sin, 0.0)
+        >>> float(y), round(float(d), 8)
+        (0.0, 1.0)
+    """
+    return _b(b).value_and_derivative(f, x, *args)
+
+
+def second_derivative(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Second derivative at a scalar ``x``: ``second_derivative(b, f, x, *args) -> d2y/dx2``, shaped like ``y``.
+
+    The derivative of the derivative: forward over forward where the backend has a
+    forward mode, else the Jacobian of the Jacobian.
+
+    Raises:
+        ShapeMismatchError: ``x`` is not one float of shape ``()``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> round(float(ad.second_derivative("finite_differences", lambda t: t**3, 2.0)), 4)
+        12.0
+    """
+    return _b(b).second_derivative(f, x, *args)
+
+
+def value_derivative_and_second_derivative(
+    b: Backend | str, f: Callable[..., Any], x: Any, *args: Any
+) -> tuple[Any, Any, Any]:
+    """Value, derivative and second derivative at a scalar ``x``.
+
+    ``value_derivative_and_second_derivative(b, f, x, *args) -> (y, dy/dx, d2y/dx2)``,
+    the last two shaped like ``y``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> y, d, d2 = ad.value_derivative_and_second_derivative("finite_differences", lambda t: t**3, 2.0)
+        >>> float(y), round(float(d), 6), round(float(d2), 4)
+        (8.0, 12.0, 12.0)
+    """
+    return _b(b).value_derivative_and_second_derivative(f, x, *args)
+
+
+def value_and_jacobian(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any]:
+    """Value and Jacobian: ``value_and_jacobian(b, f, x, *args) -> (y, J)``, ``J`` as :func:`jacobian` gives it.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> y, J = ad.value_and_jacobian("finite_differences", lambda x: x[::-1] * 2, np.array([1.0, 3.0]))
+        >>> y, np.round(J, 6)
+        (array([6., 2.]), array([[0., 2.],
+               [2., 0.]]))
+    """
+    return _b(b).value_and_jacobian(f, x, *args)
+
+
+def value_gradient_and_hessian(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any, Any]:
+    """Value, gradient and Hessian of scalar ``f``: ``value_gradient_and_hessian(b, f, x, *args) -> (y, g, H)``.
+
+    ``g`` as :func:`gradient` gives it, ``H`` as :func:`hessian` does (nested blocks for a pytree ``x``).
+
+    Raises:
+        NonScalarOutputError: ``f`` returned a non-scalar.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> y, g, H = ad.value_gradient_and_hessian("finite_differences", lambda x: (x**3).sum(), np.array([1.0, 2.0]))
+        >>> float(y), np.round(g, 6), np.round(H, 4) + 0.0
+        (9.0, array([ 3., 12.]), array([[ 6.,  0.],
+               [ 0., 12.]]))
+    """
+    return _b(b).value_gradient_and_hessian(f, x, *args)
+
+
+def gradient_and_hvp(b: Backend | str, f: Callable[..., Any], x: Any, v: Any, *args: Any) -> tuple[Any, Any]:
+    """Gradient and Hessian-vector product of scalar ``f``: ``gradient_and_hvp(b, f, x, v, *args) -> (g, H @ v)``.
+
+    Both are shaped like ``x``; ``v`` has the structure of ``x`` (as in :func:`hvp`).
+
+    Raises:
+        ShapeMismatchError: ``v`` does not have the structure and shapes of ``x``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> g, hv = ad.gradient_and_hvp("finite_differences", lambda x: (x**3).sum(), np.array([1.0, 2.0]), np.ones(2))
+        >>> np.round(g, 6), np.round(hv, 5)
+        (array([ 3., 12.]), array([ 6., 12.]))
+    """
+    return _b(b).gradient_and_hvp(f, x, v, *args)

@@ -22,20 +22,27 @@ from typing import Any, Callable, ClassVar
 import optree
 
 from ._arrays import check_scalar, dtype_name, shape_of
+from ._batch import Batch, BatchedPullback, BatchedPushforward
 from ._errors import ShapeMismatchError
-from ._tree import _LEAF_ARRAY_TYPES, FlatFunction, _static_key, is_array
+from ._tree import _LEAF_ARRAY_TYPES, _LEAF_TREEDEF, FlatFunction, _static_key, is_array
 
 __all__ = [
     "prepare_derivative",
     "prepare_gradient",
+    "prepare_gradient_and_hvp",
     "prepare_hessian",
     "prepare_hvp",
     "prepare_jacobian",
     "prepare_pullback",
     "prepare_pushforward",
+    "prepare_second_derivative",
+    "prepare_value_and_derivative",
     "prepare_value_and_gradient",
+    "prepare_value_and_jacobian",
     "prepare_value_and_pullback",
     "prepare_value_and_pushforward",
+    "prepare_value_derivative_and_second_derivative",
+    "prepare_value_gradient_and_hessian",
 ]
 
 
@@ -104,8 +111,11 @@ class ValueAndPullbackPrep(Preparation):
         # the pullback may run after the caller wrote into its arrays: it keeps its own point
         xs, data = [b.snapshot(x) for x in xs], [b.snapshot(d) for d in data]
         y, _, vjp = b.flat_value_and_pullback_any(fn, xs, data)
+        batched = BatchedPullback(b, fn, xs, data, y)
 
         def pullback(dy: Any) -> Any:
+            if isinstance(dy, Batch):  # k cotangents in one batched call (ad.Batch)
+                return batched(dy)
             return fn.unflatten_x(b.complete(vjp(b.cotangent(dy, y)), xs))
 
         pullback.f = fn.f  # type: ignore[attr-defined]  # fn holds f weakly; a lazy vjp may still call it
@@ -131,8 +141,11 @@ class ValueAndPushforwardPrep(Preparation):
         # the pushforward may run after the caller wrote into its arrays: it keeps its own point
         xs, data = [b.snapshot(x) for x in xs], [b.snapshot(d) for d in data]
         y, _, jvp = b.flat_value_and_pushforward_any(fn, xs, data)
+        batched = BatchedPushforward(b, fn, xs, data)
 
         def pushforward(dx: Any) -> Any:
+            if isinstance(dx, Batch):  # k tangents in one batched call (ad.Batch)
+                return batched(dx)
             return jvp(b.tangents(fn, xs, dx))
 
         pushforward.f = fn.f  # type: ignore[attr-defined]  # fn holds f weakly; jvp calls it again
@@ -148,23 +161,52 @@ class PushforwardPrep(ValueAndPushforwardPrep):
         return super().run(xs, data)[1]
 
 
+def _check_scalar_x(xs: list, operator: str) -> None:
+    if len(xs) != 1 or shape_of(xs[0]) != ():
+        raise ShapeMismatchError(
+            f"{operator} needs a scalar x (one float of shape ()), got "
+            f"{[shape_of(v) for v in xs]}; use jacobian for array inputs"
+        )
+
+
 class DerivativePrep(Preparation):
     """``dy/dx`` for a scalar ``x``, shaped like ``y``."""
 
     operator = "derivative"
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
-        b, fn = self.backend, self.fn
-        if len(xs) != 1 or shape_of(xs[0]) != ():
-            raise ShapeMismatchError(
-                f"derivative needs a scalar x (one float of shape ()), got "
-                f"{[shape_of(v) for v in xs]}; use jacobian for array inputs"
-            )
-        if b.has_forward:
-            _, _, jvp = b.flat_value_and_pushforward(fn, xs, data)
-            return jvp([b.ones_like(xs[0])])
-        _, jacs = b.flat_jacobian(fn, xs, data)
-        return jacs[0]
+        _check_scalar_x(xs, self.operator)
+        return self.backend.flat_value_and_derivative(self.fn, xs, data)[1]
+
+
+class ValueAndDerivativePrep(Preparation):
+    """``(y, dy/dx)`` for a scalar ``x``."""
+
+    operator = "value_and_derivative"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        _check_scalar_x(xs, self.operator)
+        return self.backend.flat_value_and_derivative(self.fn, xs, data)
+
+
+class SecondDerivativePrep(Preparation):
+    """``d2y/dx2`` for a scalar ``x``, shaped like ``y``."""
+
+    operator = "second_derivative"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        _check_scalar_x(xs, self.operator)
+        return self.backend.flat_second_derivative(self.fn, xs, data)
+
+
+class ValueDerivativeAndSecondDerivativePrep(Preparation):
+    """``(y, dy/dx, d2y/dx2)`` for a scalar ``x``."""
+
+    operator = "value_derivative_and_second_derivative"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        _check_scalar_x(xs, self.operator)
+        return self.backend.flat_value_derivative_and_second_derivative(self.fn, xs, data)
 
 
 class JacobianPrep(Preparation):
@@ -177,18 +219,44 @@ class JacobianPrep(Preparation):
         return self.fn.unflatten_x(jacs)
 
 
+class ValueAndJacobianPrep(Preparation):
+    """``(y, J)``, ``J`` as :class:`JacobianPrep` gives it."""
+
+    operator = "value_and_jacobian"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        y, jacs = self.backend.flat_jacobian(self.fn, xs, data)
+        return y, self.fn.unflatten_x(jacs)
+
+
+def hessian_tree(fn: FlatFunction, blocks: list[list[Any]]) -> Any:
+    """The Hessian blocks as the user sees them: the ``x.shape + x.shape`` array when ``x``
+    is one array, else jax.hessian's layout, a tree like ``x`` of trees like ``x`` (``None``
+    at non-float leaves, outside and inside) whose entry ``[i][j]`` is block ``(i, j)``."""
+    if fn.x_treedef == _LEAF_TREEDEF:
+        return blocks[0][0]
+    return fn.unflatten_x([fn.unflatten_x(row) for row in blocks])
+
+
 class HessianPrep(Preparation):
-    """The ``x.shape + x.shape`` Hessian of a scalar ``f`` of one float array."""
+    """The Hessian of a scalar ``f``: ``x.shape + x.shape`` for one array, nested blocks for a pytree."""
 
     operator = "hessian"
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
-        if len(xs) != 1:
-            raise ShapeMismatchError(
-                f"hessian needs x with exactly one float array, got {len(xs)} float leaves; "
-                f"concatenate them into one vector, or use hvp, which takes any pytree"
-            )
-        return self.fn.unflatten_x([self.backend.flat_hessian(self.fn, xs, data)])
+        return hessian_tree(self.fn, self.backend.flat_hessian_blocks(self.fn, xs, data))
+
+
+class ValueGradientAndHessianPrep(Preparation):
+    """``(y, g, H)``: ``g`` as gradient gives it, ``H`` as hessian does."""
+
+    operator = "value_gradient_and_hessian"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        b, fn = self.backend, self.fn
+        y, grads, blocks = b.flat_value_gradient_and_hessian(fn, xs, data)
+        check_scalar(y, self.operator)
+        return y, fn.unflatten_x(b.complete(grads, xs)), hessian_tree(fn, blocks)
 
 
 class HvpPrep(Preparation):
@@ -203,12 +271,27 @@ class HvpPrep(Preparation):
         return fn.unflatten_x(b.complete(b.flat_hvp(fn, xs, data, tangents), xs))
 
 
+class GradientAndHvpPrep(Preparation):
+    """``(g, H @ v)``, both shaped like ``x``; ``run(xs, data, v)``."""
+
+    operator = "gradient_and_hvp"
+
+    def run(self, xs: list, data: list, *extra: Any) -> Any:
+        (v,) = extra
+        b, fn = self.backend, self.fn
+        tangents = b.tangents(fn, xs, v, "v")
+        grads, hv = b.flat_gradient_and_hvp(fn, xs, data, tangents)
+        return fn.unflatten_x(b.complete(grads, xs)), fn.unflatten_x(b.complete(hv, xs))
+
+
 #: The preparation class of each operator.
 PREPARATIONS: dict[str, type[Preparation]] = {
     cls.operator: cls
     for cls in (
         ValueAndGradientPrep, GradientPrep, ValueAndPullbackPrep, PullbackPrep, ValueAndPushforwardPrep,
-        PushforwardPrep, DerivativePrep, JacobianPrep, HessianPrep, HvpPrep,
+        PushforwardPrep, DerivativePrep, JacobianPrep, HessianPrep, HvpPrep, ValueAndDerivativePrep,
+        SecondDerivativePrep, ValueDerivativeAndSecondDerivativePrep, ValueAndJacobianPrep,
+        ValueGradientAndHessianPrep, GradientAndHvpPrep,
     )
 }
 
@@ -370,9 +453,39 @@ class PreparedJacobian(Prepared):
 
 
 class PreparedHessian(Prepared):
-    """``h(x, *args) -> H`` with ``H.shape == x.shape + x.shape``."""
+    """``h(x, *args) -> H`` with ``H.shape == x.shape + x.shape`` (nested blocks for a pytree ``x``)."""
 
     operator = "hessian"
+
+
+class PreparedValueAndDerivative(Prepared):
+    """``d(x, *args) -> (y, dy/dx)`` for a scalar ``x``."""
+
+    operator = "value_and_derivative"
+
+
+class PreparedSecondDerivative(Prepared):
+    """``d2(x, *args) -> d2y/dx2`` for a scalar ``x``."""
+
+    operator = "second_derivative"
+
+
+class PreparedValueDerivativeAndSecondDerivative(Prepared):
+    """``d(x, *args) -> (y, dy/dx, d2y/dx2)`` for a scalar ``x``."""
+
+    operator = "value_derivative_and_second_derivative"
+
+
+class PreparedValueAndJacobian(Prepared):
+    """``j(x, *args) -> (y, J)``."""
+
+    operator = "value_and_jacobian"
+
+
+class PreparedValueGradientAndHessian(Prepared):
+    """``h(x, *args) -> (y, g, H)``."""
+
+    operator = "value_gradient_and_hessian"
 
 
 class PreparedPullback(Prepared):
@@ -395,15 +508,25 @@ class PreparedHvp(Prepared):
         return self.preparation.run(xs, data, v)
 
 
+class PreparedGradientAndHvp(PreparedHvp):
+    """``h(x, v, *args) -> (g, H @ v)``, both shaped like ``x``; ``v`` has the structure of ``x``."""
+
+    operator = "gradient_and_hvp"
+
+
 #: The prepared class of each operator.
 PREPARED: dict[str, type[Prepared]] = {
     cls.operator: cls
     for cls in (
         PreparedValueAndGradient, PreparedGradient, PreparedValueAndPullback, PreparedPullback,
         PreparedValueAndPushforward, PreparedPushforward, PreparedDerivative, PreparedJacobian, PreparedHessian,
-        PreparedHvp,
+        PreparedHvp, PreparedValueAndDerivative, PreparedSecondDerivative, PreparedValueDerivativeAndSecondDerivative,
+        PreparedValueAndJacobian, PreparedValueGradientAndHessian, PreparedGradientAndHvp,
     )
 }
+
+#: The operators whose prepared form is called ``prepared(x, v, *args)``.
+TANGENT_OPERATORS = frozenset({"hvp", "gradient_and_hvp"})
 
 
 def _backend(b: Any) -> Any:
@@ -550,3 +673,84 @@ def prepare_hvp(b: Any, f: Callable[..., Any], x: Any, v: Any, *args: Any) -> An
         array([6., 0.])
     """
     return _backend(b).prepare("hvp", f, x, args, tangent=v)
+
+
+def prepare_value_and_derivative(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``value_and_derivative``: ``-> d`` with ``d(x, *args) -> (y, dy/dx)`` for a scalar ``x``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> d = ad.prepare_value_and_derivative("finite_differences", lambda t: t**3, 1.0)
+        >>> y, dy = d(2.0)
+        >>> float(y), round(float(dy), 6)
+        (8.0, 12.0)
+    """
+    return _backend(b).prepare("value_and_derivative", f, x, args)
+
+
+def prepare_second_derivative(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``second_derivative``: ``-> d2`` with ``d2(x, *args) -> d2y/dx2`` for a scalar ``x``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> d2 = ad.prepare_second_derivative("finite_differences", lambda t: t**3, 1.0)
+        >>> round(float(d2(2.0)), 4)
+        12.0
+    """
+    return _backend(b).prepare("second_derivative", f, x, args)
+
+
+def prepare_value_derivative_and_second_derivative(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``value_derivative_and_second_derivative``: ``-> d`` with ``d(x, *args) -> (y, dy/dx, d2y/dx2)``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> d = ad.prepare_value_derivative_and_second_derivative("finite_differences", lambda t: t**3, 1.0)
+        >>> [round(float(v), 4) for v in d(2.0)]
+        [8.0, 12.0, 12.0]
+    """
+    return _backend(b).prepare("value_derivative_and_second_derivative", f, x, args)
+
+
+def prepare_value_and_jacobian(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``value_and_jacobian``: ``-> j`` with ``j(x, *args) -> (y, J)``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> j = ad.prepare_value_and_jacobian("finite_differences", lambda w: w[::-1] * 2, np.ones(2))
+        >>> y, J = j(np.array([1.0, 3.0]))
+        >>> y, np.round(J, 6)
+        (array([6., 2.]), array([[0., 2.],
+               [2., 0.]]))
+    """
+    return _backend(b).prepare("value_and_jacobian", f, x, args)
+
+
+def prepare_value_gradient_and_hessian(b: Any, f: Callable[..., Any], x: Any, *args: Any) -> Any:
+    """Prepare ``value_gradient_and_hessian``: ``-> h`` with ``h(x, *args) -> (y, g, H)``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> h = ad.prepare_value_gradient_and_hessian("finite_differences", lambda w: (w**3).sum(), np.ones(2))
+        >>> y, g, H = h(np.array([1.0, 2.0]))
+        >>> float(y), np.round(g, 6), np.round(H, 4) + 0.0
+        (9.0, array([ 3., 12.]), array([[ 6.,  0.],
+               [ 0., 12.]]))
+    """
+    return _backend(b).prepare("value_gradient_and_hessian", f, x, args)
+
+
+def prepare_gradient_and_hvp(b: Any, f: Callable[..., Any], x: Any, v: Any, *args: Any) -> Any:
+    """Prepare ``gradient_and_hvp``: ``prepare_gradient_and_hvp(b, f, x, v, *args) -> h`` with
+    ``h(x, v, *args) -> (g, H @ v)``.
+
+    ``v`` (shaped like ``x``) may change from call to call; it is checked each time.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> h = ad.prepare_gradient_and_hvp("finite_differences", lambda w: (w**3).sum(), np.ones(2), np.ones(2))
+        >>> g, hv = h(np.array([1.0, 2.0]), np.array([1.0, 0.0]))
+        >>> np.round(g, 6), np.round(hv, 4) + 0.0
+        (array([ 3., 12.]), array([6., 0.]))
+    """
+    return _backend(b).prepare("gradient_and_hvp", f, x, args, tangent=v)

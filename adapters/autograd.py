@@ -11,6 +11,7 @@ import re
 from typing import Any, Callable
 
 import autograd
+import autograd.extend
 import autograd.numpy as anp
 import numpy as np
 import optree
@@ -19,7 +20,7 @@ from autograd.numpy.numpy_boxes import ArrayBox
 from autograd.tracer import Box
 
 from abstractdiff._backend import Backend, check_scalar, shape_of, size_of
-from abstractdiff._errors import ArgumentTypeError, DeviceError
+from abstractdiff._errors import ArgumentTypeError, CompositionError, DeviceError
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -117,13 +118,14 @@ class AutogradBackend(Backend):
     extra = "autograd"
     modules = ("autograd",)
 
-    def __init__(self, *, device: str | None = None, **options: Any):
+    def __init__(self, *, device: str | None = None, chunk_size: int | None = None, **options: Any):
         if options:
             raise ArgumentTypeError(
                 f"autograd backend got unexpected option(s) {', '.join(map(repr, options))}; its only "
-                f"option is device='cpu' (autograd runs eagerly on the CPU: there is nothing to compile)"
+                f"options are device='cpu' and chunk_size (autograd runs eagerly on the CPU: there is "
+                f"nothing to compile)"
             )
-        super().__init__(device=device)
+        super().__init__(device=device, chunk_size=chunk_size)
         #: Python executions of ``f`` under autograd tracing (autograd traces every call).
         self.trace_count = 0
 
@@ -145,6 +147,38 @@ class AutogradBackend(Backend):
         while isinstance(a, Box):  # an ArrayBox: unwrap to the primal value
             a = a._value
         return np.asarray(a)
+
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        # autograd primitives with the kernel's pullback (defvjp) and pushforward (defjvp);
+        # differentiating either of those again raises (their vjp/jvp makers are only
+        # called then), never a silent zero.
+        def refuse(*_: Any) -> Any:
+            raise CompositionError(
+                f"a second derivative through differentiate_with's boundary (autograd code calling a "
+                f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or "
+                f"write the kernel with autograd.numpy (an autograd kernel nests natively)"
+            )
+
+        @autograd.extend.primitive
+        def pullback(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+            return kernel.vjp(x, dy)
+
+        @autograd.extend.primitive
+        def pushforward(x: np.ndarray, dx: np.ndarray) -> np.ndarray:
+            return kernel.jvp(x, dx)
+
+        for op in (pullback, pushforward):
+            autograd.extend.defvjp(op, refuse, refuse)
+            autograd.extend.defjvp(op, refuse, refuse)
+
+        @autograd.extend.primitive
+        def foreign(x: np.ndarray) -> np.ndarray:
+            return kernel.value(x)
+
+        autograd.extend.defvjp(foreign, lambda ans, x: lambda dy: pullback(x, dy))
+        autograd.extend.defjvp(foreign, lambda dx, ans, x: pushforward(x, dx))
+        return foreign
 
     # ------------------------------------------------------------- primitives
     def _trace_reverse(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):

@@ -44,7 +44,10 @@ class FiniteDifferencesBackend(Backend):
     name = "finite_differences"
     approximate = True
 
-    def __init__(self, *, step: float | None = None, compute_dtype: str | None = None, device: str | None = None):
+    def __init__(
+        self, *, step: float | None = None, compute_dtype: str | None = None, device: str | None = None,
+        chunk_size: int | None = None,
+    ):
         if step is not None and not (isinstance(step, (int, float)) and 0 < step < 1):
             raise InvalidArgumentError(f"step must be a relative step in (0, 1), e.g. 1e-3, got {step!r}")
         if compute_dtype is not None:
@@ -57,7 +60,7 @@ class FiniteDifferencesBackend(Backend):
                     f"compute_dtype must be a float dtype such as 'float64', got {compute_dtype!r}"
                 )
             compute_dtype = np.dtype(compute_dtype).name
-        super().__init__(device=device, step=step, compute_dtype=compute_dtype)
+        super().__init__(device=device, chunk_size=chunk_size, step=step, compute_dtype=compute_dtype)
         self.step = step
         self.compute_dtype = compute_dtype
 
@@ -209,6 +212,18 @@ class FiniteDifferencesBackend(Backend):
             out.append(hv[start : start + x.size].reshape(x.shape).astype(d))
             start += x.size
         return out
+
+    def flat_second_derivative(self, fn: Callable, xs: list, data: list) -> np.ndarray:
+        # as flat_hessian: the outer difference with the second-order step
+        fn = _fresh_inputs(fn)
+        _, d = self.flat_value_and_derivative(fn, xs, data)  # in the dtype the result takes
+        wide, _ = self._widen(xs)
+
+        def derivative(points: list, data: list) -> tuple[Any, None]:
+            return self.flat_value_and_derivative(fn, points, data)[1], None
+
+        (mat,) = self._jacobian_matrices(derivative, wide, data, d, order=2)
+        return mat.reshape(np.shape(d)).astype(np.asarray(d).dtype)
 
 
 # ---------------------------------------------------------------------------------------

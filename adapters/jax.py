@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import ArgumentTypeError, DeviceError, TracedControlFlowError
+from abstractdiff._errors import ArgumentTypeError, CompositionError, DeviceError, TracedControlFlowError
 from abstractdiff._tree import HasArtefacts
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
@@ -51,10 +51,10 @@ class JaxBackend(Backend):
     extra = "jax"
     modules = ("jax", "jaxlib")
 
-    def __init__(self, *, device: str | None = None, compile: bool = True):
+    def __init__(self, *, device: str | None = None, compile: bool = True, chunk_size: int | None = None):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, compile=compile)
+        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
         self.compile = compile
         self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         self._device = self._device_object(self.device)
@@ -239,6 +239,79 @@ class JaxBackend(Backend):
 
         return y, self._aux(fn, None, xs, data, aux), jvp
 
+    # ------------------------------------------------------------- batched
+    # The forward pass is the primitive's own compiled artefact; the batch is one jax.vmap
+    # of the linearisation (or of the pullback), compiled once per batch shape.
+    def flat_value_and_batched_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn)
+            return lambda xs, data: jax.linearize(lambda xs: traced(xs, data), xs, has_aux=True)
+
+        forward = self._compiled(fn, "pushforward", x64, build)
+        apply = self._compiled(fn, "batched_pushforward_apply", x64, lambda: lambda lin, ts: jax.vmap(lin)(ts))
+        with self._scope(x64):
+            y, lin, aux = forward(xs, data)
+
+        def jvps(ts: list) -> Any:
+            with self._scope(x64):
+                return apply(lin, list(ts))
+
+        return y, self._aux(fn, None, xs, data, aux), jvps
+
+    def flat_value_and_batched_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn)
+            return lambda xs, data: jax.vjp(lambda xs: traced(xs, data), xs, has_aux=True)
+
+        forward = self._compiled(fn, "pullback", x64, build)
+        backward = self._compiled(
+            fn, "batched_pullback_apply", x64, lambda: lambda pb, dys: jax.vmap(lambda dy: pb(dy)[0])(dys)
+        )
+        with self._scope(x64):
+            y, pb, aux = forward(xs, data)
+
+        def vjps(dys: Any) -> list:
+            with self._scope(x64):
+                return list(backward(pb, dys))
+
+        return y, self._aux(fn, None, xs, data, aux), vjps
+
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        # The kernel's value and pullback through jax.pure_callback (so it works under jit;
+        # vmap, as in jacrev, calls it once per element) in a jax.custom_vjp.  Forward mode
+        # is jax's own refusal (a custom_vjp function has no jvp: jax has no public way to
+        # give one function both rules that vmap can batch), and differentiating the
+        # pullback again raises: never a silent zero.
+        out_struct = jax.ShapeDtypeStruct((kernel.out_size,), kernel.out_dtype)
+        in_struct = jax.ShapeDtypeStruct((kernel.in_size,), kernel.in_dtype)
+
+        def callback(fun: Callable, shape: Any, *arrays: Any) -> Any:
+            return jax.pure_callback(fun, shape, *arrays, vmap_method="sequential")
+
+        @jax.custom_jvp
+        def pullback(x: Any, dy: Any) -> Any:
+            return callback(lambda a, b: kernel.vjp(np.asarray(a), np.asarray(b)), in_struct, x, dy)
+
+        @pullback.defjvp
+        def _(primals: tuple, tangents: tuple) -> Any:
+            raise CompositionError(
+                f"a second derivative through differentiate_with's boundary (jax code calling a "
+                f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or "
+                f"write the kernel in jax (a jax kernel nests natively)"
+            )
+
+        @jax.custom_vjp
+        def foreign(x: Any) -> Any:
+            return callback(lambda a: kernel.value(np.asarray(a)), out_struct, x)
+
+        foreign.defvjp(lambda x: (foreign(x), x), lambda x, dy: (pullback(x, dy),))
+        return foreign
+
     # ---------------------------------------------- fast derived operators
     def flat_value_and_gradient(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, list]:
         return self.flat_prepare_value_and_gradient(fn, xs, data)(xs, data)
@@ -268,6 +341,8 @@ class JaxBackend(Backend):
         return run
 
     def flat_jacobian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list]:
+        if self.chunk_size is not None:  # the core's chunks of batched (vmapped) calls
+            return super().flat_jacobian(fn, xs, data)
         x64 = _wants_x64(xs, data)
 
         def build() -> Callable:
@@ -291,28 +366,79 @@ class JaxBackend(Backend):
             y, jacs = compiled(xs, data)
         return y, list(jacs)
 
+    # The second-order operators share two compiled functions per flat function: value,
+    # gradient and Hessian blocks (hessian, its blocks, value_gradient_and_hessian) and
+    # gradient and Hessian-vector product (hvp, gradient_and_hvp).  Each is one forward-
+    # over-reverse pass whose primal outputs come free, so one trace serves all of them.
     def flat_hessian(self, fn: Callable, xs: list, data: list) -> Any:
+        return self.flat_value_gradient_and_hessian(fn, xs, data)[2][0][0]
+
+    def flat_hessian_blocks(self, fn: Callable, xs: list, data: list) -> list[list[Any]]:
+        return self.flat_value_gradient_and_hessian(fn, xs, data)[2]
+
+    def flat_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> list:
+        return self.flat_gradient_and_hvp(fn, xs, data, tangents)[1]
+
+    def flat_value_gradient_and_hessian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list, list]:
+        # the value and gradient ride along as aux of jacfwd(value_and_grad): jax.hessian's route
         x64 = _wants_x64(xs, data)
 
         def build() -> Callable:
             traced = self._traced(fn, "hessian")
-            return lambda x, data: jax.jacfwd(jax.jacrev(lambda x: traced([x], data)[0]))(x)
+
+            def value_gradient_and_hessian(xs: list, data: list) -> tuple[Any, list, list]:
+                def gradient(xs: list) -> tuple[list, tuple[Any, list]]:
+                    y, g = jax.value_and_grad(lambda xs: traced(xs, data)[0])(xs)
+                    return g, (y, g)
+
+                h, (y, g) = jax.jacfwd(gradient, has_aux=True)(xs)
+                return y, g, h
+
+            return value_gradient_and_hessian
 
         compiled = self._compiled(fn, "hessian", x64, build)
         with self._scope(x64):
-            return compiled(xs[0], data)
+            y, g, h = compiled(list(xs), data)
+        return y, list(g), [list(row) for row in h]
 
-    def flat_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> list:
+    def flat_gradient_and_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> tuple[list, list]:
+        # one jvp of the gradient: its primal output is the gradient
         x64 = _wants_x64(xs, data)
 
         def build() -> Callable:
             traced = self._traced(fn, "hvp")
             grad = jax.grad(lambda xs, data: traced(xs, data)[0])
-            return lambda xs, data, ts: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))[1]
+            return lambda xs, data, ts: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))
 
         compiled = self._compiled(fn, "hvp", x64, build)
         with self._scope(x64):
-            return list(compiled(xs, data, list(tangents)))
+            g, hv = compiled(list(xs), data, list(tangents))
+        return list(g), list(hv)
+
+    def flat_value_derivative_and_second_derivative(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Any]:
+        # forward over forward in one compiled call: the inner jvp's primal and tangent are y and dy/dx
+        x64 = _wants_x64(xs, data)
+
+        def build() -> Callable:
+            traced = self._traced(fn)
+
+            def value_derivative_and_second(x: Any, data: list) -> tuple[Any, Any, Any]:
+                one = jnp.ones_like(x)
+
+                def value_and_derivative(x: Any) -> tuple[Any, Any]:
+                    return jax.jvp(lambda x: traced([x], data)[0], (x,), (one,))
+
+                (y, d), (_, d2) = jax.jvp(value_and_derivative, (x,), (one,))
+                return y, d, d2
+
+            return value_derivative_and_second
+
+        compiled = self._compiled(fn, "value_derivative_and_second_derivative", x64, build)
+        with self._scope(x64):
+            return compiled(xs[0], data)
+
+    def flat_second_derivative(self, fn: Callable, xs: list, data: list) -> Any:
+        return self.flat_value_derivative_and_second_derivative(fn, xs, data)[2]
 
 
 # ---------------------------------------------------------------------------------------

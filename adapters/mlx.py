@@ -345,10 +345,10 @@ class MLXBackend(Backend):
     extra = "mlx"
     modules = ("mlx",)
 
-    def __init__(self, *, device: str | None = None, compile: bool = False):
+    def __init__(self, *, device: str | None = None, compile: bool = False, chunk_size: int | None = None):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, compile=compile)
+        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
         self.compile = compile
         self.reuses_traces = compile  # a compiled trace freezes what f reads (see AdapterHooks)
         kind, _, index = self.device.partition(":")

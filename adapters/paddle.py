@@ -304,10 +304,10 @@ class PaddleBackend(Backend):
     extra = "paddle"
     modules = ("paddle",)
 
-    def __init__(self, *, device: str | None = None, compile: bool = False):
+    def __init__(self, *, device: str | None = None, compile: bool = False, chunk_size: int | None = None):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, compile=compile)
+        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
         self.compile = compile
         self.reuses_traces = compile  # a compiled program freezes what f reads (see AdapterHooks)
         if compile:
@@ -751,6 +751,24 @@ class PaddleBackend(Backend):
                     for i in range(_size(x))]
         rows = [paddle.zeros_like(x) if r is None else r for r in rows]
         return paddle.stack(rows).reshape(shape + shape) if rows else paddle.zeros(shape + shape, dtype=x.dtype)
+
+    @_operator
+    def flat_second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
+        # reverse over reverse, one double backward per element of y: forward over forward
+        # would need third derivatives with the double-vjp trick (paddle has no SinTripleGradNode)
+        rec = self._record(fn, xs, data)
+        x, y = xs[0], rec.y
+        y_shape = [int(d) for d in y.shape]
+        basis = paddle.eye(_size(y), dtype=y.dtype)
+        out = []
+        with _recording():
+            for i in range(_size(y)):
+                (d,) = rec.grad([y], rec.leaves, [basis[i].reshape(y_shape)], retain_graph=True, create_graph=True)
+                d2 = None
+                if d is not None and not d.stop_gradient:  # else y is linear (or constant) in x
+                    (d2,) = rec.grad([d], rec.leaves, retain_graph=True, create_graph=rec.nested)
+                out.append(paddle.zeros_like(x) if d2 is None else d2)
+        return paddle.stack(out).reshape(y_shape) if out else paddle.zeros(y_shape, dtype=y.dtype)
 
     @_operator
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:

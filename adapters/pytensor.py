@@ -176,7 +176,7 @@ class PyTensorBackend(Backend):
     # closure or global is frozen in it, so the core keys plans on those values
     reuses_traces = True
 
-    def __init__(self, *, device: str | None = None, mode: str | None = None):
+    def __init__(self, *, device: str | None = None, mode: str | None = None, chunk_size: int | None = None):
         if mode is not None and not isinstance(mode, str):
             raise ArgumentTypeError(f"mode must be a PyTensor mode name or None, got {mode!r}")
         if mode is not None and mode not in _MODES:
@@ -184,7 +184,7 @@ class PyTensorBackend(Backend):
                 f"mode must be None (PyTensor's configured default) or one of {', '.join(_MODES)}, got {mode!r}; "
                 f"the JAX, PYTORCH and MLX modes run another library's arrays"
             )
-        super().__init__(device=device, mode=mode)
+        super().__init__(device=device, chunk_size=chunk_size, mode=mode)
         #: The ``pytensor.function`` mode; None: PyTensor's configured default (never changed here).
         self.mode = mode
         #: Graphs compiled with ``pytensor.function`` (a repeated call of one signature adds none).

@@ -20,7 +20,13 @@ import tensorflow as tf
 
 import abstractdiff._operators
 from abstractdiff._backend import OPERATOR_METHODS, Backend, check_scalar
-from abstractdiff._errors import ArgumentTypeError, DeviceError, ModeMismatchError, TracedControlFlowError
+from abstractdiff._errors import (
+    ArgumentTypeError,
+    CompositionError,
+    DeviceError,
+    ModeMismatchError,
+    TracedControlFlowError,
+)
 from abstractdiff._tree import Artefacts, HasArtefacts, check_output, split_aux
 
 _ZERO = tf.UnconnectedGradients.ZERO
@@ -92,10 +98,10 @@ class TensorFlowBackend(Backend):
     extra = "tensorflow"
     modules = ("tensorflow", "keras", "tf_keras")
 
-    def __init__(self, *, device: str | None = None, compile: bool = True):
+    def __init__(self, *, device: str | None = None, compile: bool = True, chunk_size: int | None = None):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, compile=compile)
+        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
         self.compile = compile
         self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         index = self.device.partition(":")[2]
@@ -284,6 +290,24 @@ class TensorFlowBackend(Backend):
             y, _ = self._call(fn, xs, data)
         return acc.jvp(y, unconnected_gradients=_ZERO), None
 
+    def _batched_vjp(self, fn: Any, xs: list, data: list, dys: list) -> tuple:
+        # one tape, its gradient vectorised over the batch by pfor (tape.jacobian's own route)
+        with tf.GradientTape(persistent=True) as tape:
+            y, _ = self._call(fn, _watched(tape, xs), data)
+
+        def vjp(dy: Any) -> list:
+            return tape.gradient(y, xs, output_gradients=dy, unconnected_gradients=_ZERO)
+
+        return tf.vectorized_map(vjp, dys[0]), None
+
+    def _batched_jvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
+        def jvp(ts: list) -> Any:
+            with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
+                y, _ = self._call(fn, xs, data)
+            return acc.jvp(y, unconnected_gradients=_ZERO)
+
+        return tf.vectorized_map(jvp, ts), None
+
     def _jacobian(self, fn: Any, xs: list, data: list) -> tuple:
         with tf.GradientTape() as tape:
             y, _ = self._call(fn, _watched(tape, xs), data)
@@ -305,6 +329,38 @@ class TensorFlowBackend(Backend):
                 _check_scalar(y, "hvp")
             grads = tape.gradient(y, xs, unconnected_gradients=_ZERO)
         return [acc.jvp(g, unconnected_gradients=_ZERO) for g in grads], None
+
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        # tf.custom_gradient around tf.numpy_function (which runs inside tf.function too):
+        # the kernel's value forward and its pullback as the gradient.  The pullback's own
+        # gradient raises: TensorFlow would otherwise find none and use zeros, for a second
+        # derivative and for forward mode alike (ForwardAccumulator differentiates the
+        # gradient function), a silently wrong result.
+        out_dtype, in_dtype = tf.as_dtype(kernel.out_dtype), tf.as_dtype(kernel.in_dtype)
+
+        @tf.custom_gradient
+        def pullback(x: Any, dy: Any) -> Any:
+            dx = tf.numpy_function(kernel.vjp, [x, dy], in_dtype, stateful=False)
+            dx.set_shape((kernel.in_size,))
+
+            def refuse(*_: Any) -> Any:
+                raise CompositionError(
+                    f"forward mode and second derivatives through differentiate_with's boundary "
+                    f"(tensorflow code calling a {kernel.backend.name} kernel) are not supported: use "
+                    f"reverse mode once through it, or write the kernel in tensorflow (a tensorflow "
+                    f"kernel nests natively)"
+                )
+
+            return dx, refuse
+
+        @tf.custom_gradient
+        def foreign(x: Any) -> Any:
+            y = tf.numpy_function(kernel.value, [x], out_dtype, stateful=False)
+            y.set_shape((kernel.out_size,))
+            return y, lambda dy: pullback(x, dy)
+
+        return foreign
 
     # ------------------------------------------------------- flat operators
     def flat_value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:
@@ -336,11 +392,35 @@ class TensorFlowBackend(Backend):
 
         return y, aux, jvp
 
+    # Batched: tf.vectorized_map (pfor) over the batch, inside one tf.function per call.
+    # Eager (compile=False) keeps f eager: the default loop over the batch.
+    def flat_value_and_batched_pullback(self, fn: Any, xs: list, data: list) -> tuple:
+        if not self.compile and tf.executing_eagerly():
+            return super().flat_value_and_batched_pullback(fn, xs, data)
+        y, aux = self._run(fn, "value", self._value, xs, data)
+
+        def vjps(dys: Any) -> list:
+            return list(self._run(fn, "batched vjp", self._batched_vjp, xs, data, [dys])[0])
+
+        return y, aux, vjps
+
+    def flat_value_and_batched_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
+        if not self.compile and tf.executing_eagerly():
+            return super().flat_value_and_batched_pushforward(fn, xs, data)
+        y, aux = self._run(fn, "value", self._value, xs, data)
+
+        def jvps(ts: list) -> Any:
+            return self._run(fn, "batched jvp", self._batched_jvp, xs, data, list(ts))[0]
+
+        return y, aux, jvps
+
     def flat_value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple:
         (y, grads), aux = self._run(fn, "gradient", self._gradient, xs, data)
         return y, aux, grads
 
     def flat_jacobian(self, fn: Any, xs: list, data: list) -> tuple:
+        if self.chunk_size is not None:  # the core's chunks of batched (pfor) calls
+            return super().flat_jacobian(fn, xs, data)
         return self._run(fn, "jacobian", self._jacobian, xs, data)[0]
 
     def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:

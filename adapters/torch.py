@@ -39,6 +39,7 @@ import torch.func
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
+    CompositionError,
     DeviceError,
     InvalidArgumentError,
     ModeMismatchError,
@@ -123,7 +124,7 @@ class TorchBackend(Backend):
     extra = "torch"
     modules = ("torch",)
 
-    def __init__(self, *, device: str | None = None, compile: bool | str = False):
+    def __init__(self, *, device: str | None = None, compile: bool | str = False, chunk_size: int | None = None):
         if not isinstance(compile, (bool, str)):
             raise ArgumentTypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
         if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
@@ -131,7 +132,7 @@ class TorchBackend(Backend):
                 f"compile={compile!r} is not a torch.compile backend; pass True (inductor), False, or "
                 f"one of {', '.join(sorted(torch.compiler.list_backends(exclude_tags=())))}"
             )
-        super().__init__(device=device, compile=compile)
+        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
         self.compile = compile
         self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         self.torch_device = torch.device(self.device)
@@ -404,15 +405,8 @@ class TorchBackend(Backend):
         # A compiled backward refuses retain_graph=True (AOTAutograd donates its buffers), and
         # a pullback may be called many times: compiled functions take the torch.func route.
         if self.compile or _in_functorch():
-            carrier = _AuxCarrier()
-            forward = self._forward(fn)
-
-            def with_aux(*a: torch.Tensor) -> tuple[torch.Tensor, list]:
-                y, aux = forward(list(a), data)
-                return self._tensor(y), carrier.pack(aux)
-
-            y, vjp_fn, aux = torch.func.vjp(with_aux, *xs, has_aux=True)
-            return y, carrier.unpack(aux), lambda dy: list(vjp_fn(dy))
+            y, aux, vjp_fn = self._func_vjp(fn, xs, data)
+            return y, aux, lambda dy: list(vjp_fn(dy))
 
         leaves, nested = self._leaves(xs, data)
         with torch.enable_grad():
@@ -431,6 +425,24 @@ class TorchBackend(Backend):
         if nested:
             return y, aux, vjp
         return y.detach(), self._detached(aux), vjp
+
+    def _func_vjp(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        """``(y, aux, vjp_fn)`` from ``torch.func.vjp``, which composes with ``torch.func.vmap``."""
+        carrier = _AuxCarrier()
+        forward = self._forward(fn)
+
+        def with_aux(*a: torch.Tensor) -> tuple[torch.Tensor, list]:
+            y, aux = forward(list(a), data)
+            return self._tensor(y), carrier.pack(aux)
+
+        y, vjp_fn, aux = torch.func.vjp(with_aux, *xs, has_aux=True)
+        return y, carrier.unpack(aux), vjp_fn
+
+    @_explains_numpy_mix
+    def flat_value_and_batched_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        # torch.func.vjp's pullback vmapped over the batch (autograd.grad cannot run under vmap)
+        y, aux, vjp_fn = self._func_vjp(fn, xs, data)
+        return y, aux, lambda dys: list(torch.func.vmap(vjp_fn)(dys))
 
     @_explains_numpy_mix
     def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
@@ -499,6 +511,12 @@ class TorchBackend(Backend):
 
         return run
 
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        # a torch.autograd.Function in the setup_context style: reverse mode, forward mode
+        # (jvp) and the torch.func transforms all see the kernel's derivatives
+        return lambda x: _Foreign.apply(kernel, x)
+
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
     def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
@@ -511,6 +529,21 @@ class TorchBackend(Backend):
             return _like(torch.func.jvp(value, tuple(xs), tuple(ts))[1], y)
 
         return y, aux, jvp
+
+    @_explains_numpy_mix
+    def flat_value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        y, aux = self._forward(fn)(xs, data)
+        value = self._value_fn(fn, data)
+        y = self._tensor(y)
+        primals = tuple(xs)
+
+        def jvp(*ts: torch.Tensor) -> torch.Tensor:
+            return torch.func.jvp(value, primals, ts)[1]
+
+        def jvps(ts: list) -> torch.Tensor:
+            return _like(torch.func.vmap(jvp)(*ts), y)
+
+        return y, aux, jvps
 
     # ------------------------------------------------------------ composed
     @_explains_numpy_mix
@@ -531,8 +564,13 @@ class TorchBackend(Backend):
 
         n_out = artefacts(fn, self, "output size").get(signature, output_size)
         n_in = sum(x.numel() for x in xs)
-        transform = torch.func.jacfwd if n_out > n_in else torch.func.jacrev
-        jacs, y = transform(with_value, argnums=tuple(range(len(xs))), has_aux=True)(*xs)
+        argnums = tuple(range(len(xs)))
+        if n_out <= n_in:
+            jacs, y = torch.func.jacrev(with_value, argnums, has_aux=True, chunk_size=self.chunk_size)(*xs)
+        elif self.chunk_size is not None:  # jacfwd has no chunk_size: the core's chunks of vmapped jvps
+            return super().flat_jacobian(fn, xs, data)
+        else:
+            jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
         return y, [_like(j, y) for j in jacs]
 
     @_explains_numpy_mix
@@ -546,6 +584,54 @@ class TorchBackend(Backend):
         hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))[1]
         return [_like(h, x) for h, x in zip(hv, xs)]
 
+    @_explains_numpy_mix
+    def flat_hessian_blocks(self, fn: FlatFn, xs: list, data: list) -> list[list[Any]]:
+        if len(xs) == 1:
+            return [[self.flat_hessian(fn, xs, data)]]
+        argnums = tuple(range(len(xs)))
+        h = torch.func.hessian(self._value_fn(fn, data, "hessian"), argnums=argnums)(*xs)
+        return [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums]
+
+    @_explains_numpy_mix
+    def flat_value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list]:
+        # forward over reverse, the value and gradient riding along as aux: one pass
+        argnums = tuple(range(len(xs)))
+        value = self._value_fn(fn, data, "value_gradient_and_hessian")
+
+        def gradient(*a: torch.Tensor) -> tuple[tuple, tuple]:
+            g, y = torch.func.grad_and_value(value, argnums=argnums)(*a)
+            return g, (y, g)
+
+        h, (y, g) = torch.func.jacfwd(gradient, argnums=argnums, has_aux=True)(*xs)
+        return (
+            y.detach(),
+            [_like(gi, x).detach() for gi, x in zip(g, xs)],
+            [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums],
+        )
+
+    @_explains_numpy_mix
+    def flat_gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:
+        # one jvp of the gradient function: its primal output is the gradient
+        grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
+        g, hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))
+        return [_like(gi, x) for gi, x in zip(g, xs)], [_like(h, x) for h, x in zip(hv, xs)]
+
+    @_explains_numpy_mix
+    def flat_value_derivative_and_second_derivative(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Any]:
+        # forward over forward: the inner jvp's primal and tangent are y and dy/dx
+        value = self._value_fn(fn, data)
+        (x,) = xs
+        one = torch.ones_like(x)
+
+        def value_and_derivative(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.func.jvp(value, (x,), (one,))
+
+        (y, d), (_, d2) = torch.func.jvp(value_and_derivative, (x,), (one,))
+        return y, _like(d, y), _like(d2, y)
+
+    def flat_second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
+        return self.flat_value_derivative_and_second_derivative(fn, xs, data)[2]
+
 
 # ---------------------------------------------------------------------------------------
 # Portable functions: autoray translations for numpy/scipy calls that torch lacks or
@@ -553,6 +639,94 @@ class TorchBackend(Backend):
 # takes numpy's/scipy's arguments and is built from differentiable torch ops that keep
 # dtype and device.  Registered when this adapter is imported, i.e. when a torch backend
 # is created, before any user function runs on it.
+# ------------------------------------------------------------------ composition
+def _to_device_of(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(a), device=like.device)
+
+
+def _numpy_of(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()  # no copy on CPU
+
+
+def _no_second_order(kernel: Any) -> CompositionError:
+    return CompositionError(
+        f"a second derivative through differentiate_with's boundary (torch code calling a "
+        f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or write "
+        f"the kernel in torch (a torch kernel nests natively)"
+    )
+
+
+class _ForeignVjp(torch.autograd.Function):
+    """The kernel's pullback as a torch operation; differentiating it again raises."""
+
+    @staticmethod
+    def forward(kernel: Any, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return _to_device_of(kernel.vjp(_numpy_of(x), _numpy_of(dy)), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.kernel = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise _no_second_order(ctx.kernel)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise _no_second_order(ctx.kernel)
+
+    @classmethod
+    def vmap(cls, info: Any, in_dims: tuple, kernel: Any, x: torch.Tensor, t: torch.Tensor) -> tuple:
+        return _batched(info, in_dims[1:], lambda a, b: cls.apply(kernel, a, b), x, t), 0
+
+
+class _ForeignJvp(_ForeignVjp):
+    """The kernel's pushforward as a torch operation; differentiating it again raises."""
+
+    @staticmethod
+    def forward(kernel: Any, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+        return _to_device_of(kernel.jvp(_numpy_of(x), _numpy_of(dx)), x)
+
+
+class _Foreign(torch.autograd.Function):
+    """Another library's kernel as a torch operation of one flat tensor (see
+    :func:`abstractdiff.differentiate_with`): value, pullback and pushforward from the kernel."""
+
+    @staticmethod
+    def forward(kernel: Any, x: torch.Tensor) -> torch.Tensor:
+        return _to_device_of(kernel.value(_numpy_of(x)), x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        kernel, x = inputs
+        ctx.kernel = kernel
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        (x,) = ctx.saved_tensors
+        return None, _ForeignVjp.apply(ctx.kernel, x, dy)
+
+    @staticmethod
+    def jvp(ctx: Any, _kernel_tangent: Any, dx: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return _ForeignJvp.apply(ctx.kernel, x, dx)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, kernel: Any, x: torch.Tensor) -> tuple:
+        return _batched(info, in_dims[1:], lambda a: _Foreign.apply(kernel, a), x), 0
+
+
+def _batched(info: Any, dims: tuple, call: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """A kernel call under ``torch.func.vmap`` (jacobians, hessians): one call per batch
+    element (the kernel is another library's), stacked along dimension 0."""
+    moved = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors, dims)]
+    return torch.stack([
+        call(*[t if d is None else t[i] for t, d in zip(moved, dims)]) for i in range(info.batch_size)
+    ])
+
+
 def _register_portable_functions() -> None:
     import autoray
 

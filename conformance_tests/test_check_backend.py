@@ -186,7 +186,8 @@ def test_custom_scenario_and_its_errors():
                          value=-7.0, gradient=np.array([3.0, 12.0]), hessian=np.diag([6.0, -12.0]),
                          tangent=np.array([1.0, 1.0], dtype=np.float32))
     assert s.dtype == "float32" and s.operators == ("gradient", "value_and_gradient", "pullback", "pushforward",
-                                                   "hessian", "hvp")
+                                                   "hessian", "value_gradient_and_hessian", "hvp",
+                                                   "gradient_and_hvp")
     np.testing.assert_allclose(s.reference("hvp"), [6.0, -12.0])
     assert testing.check_backend("finite_differences", [s]).ok
     wrong = testing.Scenario("cube", s.f, s.x, value=-7.0, gradient=np.array([3.0, 12.5]))
@@ -224,7 +225,8 @@ def test_strict_xfail_table():
     with pytest.raises(pytest.fail.Exception, match="conformance failure"):
         _grid.assert_report(bad)
     xfails = {("finite_differences", "sum_squares[float64]", op): "known" for op in
-              ("gradient", "value_and_gradient", "pullback", "hessian", "hvp", "numpy_inputs", "prepared")}
+              ("gradient", "value_and_gradient", "pullback", "hessian", "value_gradient_and_hessian", "hvp",
+               "gradient_and_hvp", "numpy_inputs", "prepared")}
     with pytest.raises(pytest.xfail.Exception, match="sum_squares gradient: known"):
         _grid.assert_report(bad, xfails)
 

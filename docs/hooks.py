@@ -36,10 +36,15 @@ OPERATOR_COLUMNS = (
     ("gradient, value_and_gradient", "flat_value_and_gradient"),
     ("pullback, value_and_pullback", "flat_value_and_pullback"),
     ("pushforward, value_and_pushforward", "flat_value_and_pushforward"),
-    ("derivative", None),
-    ("jacobian", "flat_jacobian"),
+    ("derivative, value_and_derivative", "flat_value_and_derivative"),
+    ("second_derivative", "flat_second_derivative"),
+    ("value_derivative_and_second_derivative", "flat_value_derivative_and_second_derivative"),
+    ("jacobian, value_and_jacobian", "flat_jacobian"),
     ("hessian", "flat_hessian"),
+    ("hessian of a pytree", "flat_hessian_blocks"),
+    ("value_gradient_and_hessian", "flat_value_gradient_and_hessian"),
     ("hvp", "flat_hvp"),
+    ("gradient_and_hvp", "flat_gradient_and_hvp"),
     ("prepare_*", "flat_prepare_value_and_gradient"),
 )
 
@@ -155,22 +160,33 @@ def _operator_cell(op: str, flat: str | None, methods: set[str]) -> str:
     fwd = "flat_value_and_pushforward" in methods
     if flat is not None and flat in methods:
         return "**native**"
+    if op == "gradient_and_hvp":
+        return "derived: gradient, then hvp"
     if op.startswith("gradient"):
         return "derived: pullback seeded with 1" if rev else "derived: one pushforward per input element"
     if op.startswith("pullback"):
         return "derived: from the forward-mode jacobian"
     if op.startswith("pushforward"):
         return "derived: from the reverse-mode jacobian"
-    if op == "derivative":
+    if op.startswith("derivative"):
         return "derived: one pushforward" if fwd else "derived: jacobian"
-    if op == "jacobian":
+    if op == "second_derivative":
+        return "derived: pushforward of the pushforward" if fwd else "derived: jacobian of the jacobian"
+    if op == "value_derivative_and_second_derivative":
+        return "derived: value_and_derivative, then second_derivative"
+    if op.startswith("jacobian"):
         if rev and fwd:
             return "derived: pullbacks per output or pushforwards per input, whichever are fewer"
         return "derived: one pullback per output element" if rev else "derived: one pushforward per input element"
     if op == "hessian":
         return "derived: jacobian of the gradient"
+    if op == "hessian of a pytree":
+        return "derived: hessian of the concatenated leaves, split into blocks"
+    if op == "value_gradient_and_hessian":
+        return "derived: value_and_gradient, then hessian"
     if op == "hvp":
         return "derived: forward over reverse" if fwd else "derived: reverse over reverse"
+
     if op == "prepare_*":
         return "generic (cached flat function)"
     return "derived"

@@ -33,7 +33,7 @@ def test_check_passes_and_writes_json(capsys, tmp_path):
                    "prepared", "time"):
         assert column in header
     fd64 = next(line for line in lines if line.startswith("finite_differences float64 "))
-    assert fd64.count("ok ") == 10 and "FAIL" not in fd64  # 8 operators, numpy inputs, prepared
+    assert fd64.count("ok ") == 16 and "FAIL" not in fd64  # 14 operators, numpy inputs, prepared
     assert any(line.startswith("implicit(finite_differences) float32 ") for line in lines)
     assert "finite_differences   gpu vs cpu: skipped: no GPU here (its devices: cpu)" in out
     assert "float64: 1 of 1 pairs agree" in out  # explicit vs implicit
@@ -82,7 +82,7 @@ def test_dtype_device_and_scenario_options(capsys):
     assert "implicit(" not in out
     assert "skipped: --device cpu" in out
     assert "training parity: skipped (--no-training)" in out
-    assert "PASS: 1 backend x device x dtype runs, 8 checks" in out  # 6 operators + numpy inputs + prepared
+    assert "PASS: 1 backend x device x dtype runs, 10 checks" in out  # 8 operators + numpy inputs + prepared
 
 
 def test_progress_goes_to_stderr(capsys):

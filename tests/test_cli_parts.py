@@ -242,7 +242,7 @@ def test_failing_check_does_not_end_with_all_runs_agree(capsys):
             "--no-progress", "--device", "cpu", "--dtype", "float64", "--scenario", "sum_squares", "--no-implicit"]
     assert cli.main(argv) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].startswith("FAIL: 1 backend x device x dtype runs, 8 checks, 1 failure(s)")
+    assert lines[-1].startswith("FAIL: 1 backend x device x dtype runs, 10 checks, 1 failure(s)")
     assert not any(line.strip() == "all runs agree" for line in lines)
     assert "  training parity: nothing compared (1 skipped)" in lines
 

@@ -93,13 +93,18 @@ def test_implicit_refuses_anything_but_params(fd_implicit):
     assert issubclass(ad.ModeMismatchError, TypeError)
 
 
-@pytest.mark.parametrize("op", ["jacobian", "hessian", "hvp", "pushforward", "value_and_pushforward", "derivative"])
+@pytest.mark.parametrize("op", [
+    "jacobian", "hessian", "hvp", "pushforward", "value_and_pushforward", "derivative", "value_and_derivative",
+    "second_derivative", "value_derivative_and_second_derivative", "value_and_jacobian", "value_gradient_and_hessian",
+    "gradient_and_hvp",
+])
 def test_explicit_only_operators_say_which_backend_to_use(fd_implicit, op):
     w = ad.Variable(np.ones(2))
+    v = [np.ones(2)] if op in ("hvp", "gradient_and_hvp") else []
     with pytest.raises(
         ad.ModeMismatchError, match=rf"{op} is not available in implicit mode.*ad\.backend\('finite_differences'\)"
     ):
-        getattr(ad, op)(fd_implicit, lambda: w.value, ad.Params([w]), *([np.ones(2)] if op == "hvp" else []))
+        getattr(ad, op)(fd_implicit, lambda: w.value, ad.Params([w]), *v)
 
 
 def test_implicit_construction():

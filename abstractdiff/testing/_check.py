@@ -21,7 +21,7 @@ from .._backend import Backend
 from .._convert import to_numpy
 from .._errors import InvalidArgumentError
 from .._tree import is_array, is_float_dtype
-from ._scenarios import OPERATORS, SECOND_ORDER, Scenario, default_scenarios, switching_scenarios
+from ._scenarios import COMBINED, OPERATORS, SECOND_ORDER, Scenario, default_scenarios, switching_scenarios
 
 __all__ = [
     "Failure",
@@ -352,7 +352,21 @@ def _call(b: Backend, s: Scenario, op: str, x: Any, args: tuple, tangent: Any, c
         return {"hessian": ops.hessian(b, f, x, *args)}
     if op == "hvp":
         return {"hvp": ops.hvp(b, f, x, tangent, *args)}
+    if op == "gradient_and_hvp":
+        return _parts(op, ops.gradient_and_hvp(b, f, x, tangent, *args))
+    if op in COMBINED or op == "second_derivative":
+        return _parts(op, getattr(ops, op)(b, f, x, *args))
     raise InvalidArgumentError(f"unknown operator {op!r}; known: {OPERATORS}")
+
+
+def _parts(op: str, out: Any) -> dict[str, Any]:
+    """A combined operator's result by part, ``{"value": y, "gradient": g, ...}``."""
+    if op not in COMBINED:
+        return {op: out}
+    names = COMBINED[op]
+    if not (isinstance(out, tuple) and len(out) == len(names)):
+        raise InvalidArgumentError(f"{op} returned {type(out).__name__}, not a tuple ({', '.join(names)})")
+    return dict(zip(names, out))
 
 
 def _call_prepared(
@@ -383,6 +397,10 @@ def _call_prepared(
         return {"hessian": prep.prepare_hessian(b, f, x, *args)(x, *args)}
     if op == "hvp":
         return {"hvp": prep.prepare_hvp(b, f, x, tangent, *args)(x, tangent, *args)}
+    if op == "gradient_and_hvp":
+        return _parts(op, prep.prepare_gradient_and_hvp(b, f, x, tangent, *args)(x, tangent, *args))
+    if op in COMBINED or op == "second_derivative":
+        return _parts(op, getattr(prep, f"prepare_{op}")(b, f, x, *args)(x, *args))
     raise InvalidArgumentError(f"unknown operator {op!r}; known: {OPERATORS}")
 
 

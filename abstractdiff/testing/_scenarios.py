@@ -19,7 +19,9 @@ import optree
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._tree import is_array, is_float_dtype
 
-__all__ = ["OPERATORS", "Scenario", "Switching", "default_scenarios", "scenario_names", "switching_scenarios"]
+__all__ = [
+    "COMBINED", "OPERATORS", "Scenario", "Switching", "default_scenarios", "scenario_names", "switching_scenarios",
+]
 
 #: Every operator the harness knows, in table order.
 OPERATORS: tuple[str, ...] = (
@@ -28,13 +30,32 @@ OPERATORS: tuple[str, ...] = (
     "pullback",
     "pushforward",
     "derivative",
+    "value_and_derivative",
+    "second_derivative",
+    "value_derivative_and_second_derivative",
     "jacobian",
+    "value_and_jacobian",
     "hessian",
+    "value_gradient_and_hessian",
     "hvp",
+    "gradient_and_hvp",
 )
 
 #: Second-order operators get the looser tolerance.
-SECOND_ORDER = frozenset({"hessian", "hvp"})
+SECOND_ORDER = frozenset({
+    "hessian", "hvp", "second_derivative", "value_derivative_and_second_derivative", "value_gradient_and_hessian",
+    "gradient_and_hvp",
+})
+
+#: The combined operators, and the references each one's result is checked against.
+COMBINED: dict[str, tuple[str, ...]] = {
+    "value_and_gradient": ("value", "gradient"),
+    "value_and_derivative": ("value", "derivative"),
+    "value_derivative_and_second_derivative": ("value", "derivative", "second_derivative"),
+    "value_and_jacobian": ("value", "jacobian"),
+    "value_gradient_and_hessian": ("value", "gradient", "hessian"),
+    "gradient_and_hvp": ("gradient", "hvp"),
+}
 
 
 def _is_float_leaf(a: Any) -> bool:
@@ -50,13 +71,15 @@ class Scenario:
     """One differentiation test case: ``f(x, *args)`` with reference results.
 
     ``Scenario(name, f, x, args=(), *, value=, gradient=, jacobian=, hessian=, hvp=,
-    pullback=, pushforward=, derivative=, tangent=, cotangent=, operators=)``
+    pullback=, pushforward=, derivative=, second_derivative=, tangent=, cotangent=, operators=)``
 
     References are numpy arrays (trees shaped like ``x`` for gradient, jacobian, hvp
-    and pullback).  Leave out the ones that do not apply; the applicable operators are
-    those with a reference (``value_and_gradient`` needs ``value`` and ``gradient``;
+    and pullback; for a pytree ``x``, ``hessian`` is jax.hessian's nested layout, a tree
+    like ``x`` of trees like ``x`` holding the blocks).  Leave out the ones that do not
+    apply; the applicable operators are those with a reference (a combined operator
+    such as ``value_gradient_and_hessian`` needs each of its parts, :data:`COMBINED`;
     ``pullback``/``pushforward`` are derived from ``gradient`` or ``jacobian`` when a
-    cotangent/tangent is given, ``hvp`` from a single-array ``hessian``).  Pass
+    cotangent/tangent is given, ``hvp`` from ``hessian`` and ``tangent``).  Pass
     ``operators=`` to restrict them.  Non-float leaves of ``x`` (ints, integer arrays,
     None) must come back as ``None`` in gradient-shaped results; a float leaf that ``f``
     ignores must get zeros.
@@ -82,6 +105,7 @@ class Scenario:
     pullback: Any = None
     pushforward: Any = None
     derivative: Any = None
+    second_derivative: Any = None
     tangent: Any = None
     cotangent: Any = None
     operators: Sequence[str] | None = None
@@ -169,6 +193,8 @@ class Scenario:
             n = int(np.size(self.x))
             h = np.reshape(self.hessian, (n, n))
             d["hvp"] = np.reshape(h @ np.reshape(np.asarray(self.tangent, np.float64), n), np.shape(self.x))
+        elif self.hessian is not None and self.tangent is not None:
+            d["hvp"] = self._map_floats(lambda row: _block_product(self, row), self.hessian)
 
     def _available(self) -> tuple[str, ...]:
         ops = []
@@ -183,13 +209,31 @@ class Scenario:
             ops.append("pushforward")
         if self.derivative is not None:
             ops.append("derivative")
+        if self.second_derivative is not None:
+            ops.append("second_derivative")
         if self.jacobian is not None:
             ops.append("jacobian")
-        if self.hessian is not None and _is_float_leaf(self.x):
+        if self.hessian is not None:
             ops.append("hessian")
         if have["hvp"] and self.tangent is not None:
             ops.append("hvp")
+        for op, parts in COMBINED.items():
+            if op != "value_and_gradient" and all(self.reference(p) is not None for p in parts):
+                ops.append(op)
+        if "gradient_and_hvp" in ops and "hvp" not in ops:
+            ops.remove("gradient_and_hvp")  # an hvp reference without a tangent to apply it to
         return tuple(op for op in OPERATORS if op in ops)
+
+
+def _block_product(s: Scenario, row: Any) -> np.ndarray:
+    """``sum_j H[i][j] . t_j``: one leaf of the Hessian-vector product from a row of blocks."""
+    treedef = optree.tree_flatten(s.x, none_is_leaf=True)[1]
+    leaves = optree.tree_leaves(s.x, none_is_leaf=True)
+    total: Any = 0.0
+    for leaf, block, t in zip(leaves, treedef.flatten_up_to(row), treedef.flatten_up_to(s.tangent)):
+        if _is_float_leaf(leaf):
+            total = total + np.tensordot(np.asarray(block, np.float64), np.asarray(t, np.float64), axes=np.ndim(leaf))
+    return np.asarray(total)
 
 
 def _tree_dot(s: Scenario, a: Any, b: Any) -> np.ndarray:
@@ -241,7 +285,8 @@ def _scalar_input(dt: str) -> Scenario:
     t = np.asarray(-0.6, dtype=dt)
     return Scenario(
         "scalar_input", f, x, value=np.asarray(math.sin(u) * u**2), gradient=np.asarray(d1),
-        derivative=np.asarray(d1), jacobian=np.asarray(d1), hessian=np.asarray(d2), tangent=t,
+        derivative=np.asarray(d1), second_derivative=np.asarray(d2), jacobian=np.asarray(d1), hessian=np.asarray(d2),
+        tangent=t,
         description="scalar x, scalar output: every operator",
     )
 
@@ -256,8 +301,9 @@ def _scalar_to_vector(dt: str) -> Scenario:
     c = np.asarray([1.0, -2.0, 0.5], dtype=dt)
     u, cu = float(x), _up(c)
     d = math.cos(u) * cu + 2 * u
+    d2 = -math.sin(u) * cu + 2
     return Scenario(
-        "scalar_to_vector", f, x, (c,), value=math.sin(u) * cu + u**2, derivative=d, jacobian=d,
+        "scalar_to_vector", f, x, (c,), value=math.sin(u) * cu + u**2, derivative=d, second_derivative=d2, jacobian=d,
         tangent=np.asarray(1.3, dtype=dt), cotangent=np.asarray([0.2, -1.0, 0.7], dtype=dt),
         description="scalar x, vector output with data in args: derivative, jacobian",
     )
@@ -547,6 +593,36 @@ def _rosenbrock(dt: str) -> Scenario:
     )
 
 
+def _pytree_hessian(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(x):
+        m, v = x["m"], x["v"]
+        r = anp.sum(m * v, axis=1)  # m @ v, written so that every backend broadcasts it the same way
+        return 0.5 * anp.sum(r**2) + anp.sum(m**3) / 3.0 + x["k"] * anp.sum(anp.exp(v))
+
+    rng = _rng(13)
+    x = {"m": rng.uniform(-1, 1, (2, 3)).astype(dt), "v": rng.uniform(-1, 1, 3).astype(dt), "k": 2}
+    m, v, k = _up(x["m"]), _up(x["v"]), x["k"]
+    r = m @ v
+    ev = np.exp(v)
+    grad = {"m": np.outer(r, v) + m**2, "v": m.T @ r + k * ev, "k": None}
+    # d2f/dm_ab dm_cd = delta_ac v_b v_d + 2 m_ab delta_ac delta_bd, d2f/dm_ab dv_d = m_ad v_b + r_a delta_bd
+    h_mm = np.einsum("ac,bd->abcd", np.eye(2), np.outer(v, v))
+    h_mm += np.einsum("ab,ac,bd->abcd", 2 * m, np.eye(2), np.eye(3))
+    h_mv = np.einsum("ad,b->abd", m, v) + np.einsum("a,bd->abd", r, np.eye(3))
+    hess = {
+        "m": {"m": h_mm, "v": h_mv, "k": None},
+        "v": {"m": np.transpose(h_mv, (2, 0, 1)), "v": m.T @ m + np.diag(k * ev), "k": None},
+        "k": None,
+    }
+    return Scenario(
+        "pytree_hessian", f, x, value=0.5 * np.sum(r**2) + np.sum(m**3) / 3 + k * np.sum(ev), gradient=grad,
+        hessian=hess, tangent=_tangent_like(x, rng),
+        description="block Hessian of a (2, 3) matrix and a (3,) vector leaf, with an int leaf (None blocks)",
+    )
+
+
 _BUILDERS: tuple[Callable[[str], Scenario], ...] = (
     _scalar_input,
     _scalar_to_vector,
@@ -562,6 +638,7 @@ _BUILDERS: tuple[Callable[[str], Scenario], ...] = (
     _vector_output,
     _matrix_output,
     _rosenbrock,
+    _pytree_hessian,
 )
 
 DTYPES: tuple[str, ...] = ("float64", "float32")
@@ -674,7 +751,7 @@ def _scalar_switch(f: Callable[..., Any], dt: str, value: float) -> Scenario:
     d2 = (2 - u**2) * math.sin(u) + 4 * u * math.cos(u)
     return Scenario(
         "switching_scalar", f, x, value=np.asarray(math.sin(u) * u**2), gradient=np.asarray(d1),
-        derivative=np.asarray(d1), jacobian=np.asarray(d1), hessian=np.asarray(d2),
+        derivative=np.asarray(d1), second_derivative=np.asarray(d2), jacobian=np.asarray(d1), hessian=np.asarray(d2),
         tangent=np.asarray(0.5, dtype=dt), description="scalar x: derivative and every other operator",
     )
 
