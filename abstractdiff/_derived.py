@@ -268,6 +268,19 @@ class DerivedOperators(AdapterHooks):
         y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
         return y, self.forward_jacobian(jvps, xs, y)
 
+    def flat_prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
+        """``run(xs, data) -> [J_k]`` (no value) for repeated calls on inputs like ``xs``/``data``.
+
+        Every ``jacobian`` (prepared or not) calls the ``run`` built here once per flat
+        function and input signature; adapters override it to hoist per-call work (a
+        compiled Jacobian that skips the value, the choice of mode).
+        """
+        return lambda xs, data: self.flat_jacobian(fn, xs, data)[1]
+
+    def flat_prepare_hvp(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list, list], list]:
+        """``run(xs, data, tangents) -> [Hv_k]`` for repeated calls, as :meth:`flat_prepare_jacobian`."""
+        return lambda xs, data, tangents: self.flat_hvp(fn, xs, data, tangents)
+
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         """Hessian of scalar ``fn`` with respect to its single input, ``x.shape * 2``."""
         _, jacs = self.flat_jacobian(GradientFunction(self, fn), xs, data)

@@ -214,9 +214,11 @@ class JacobianPrep(Preparation):
 
     operator = "jacobian"
 
+    def setup(self, xs: list, data: list) -> None:
+        self._run = self.backend.flat_prepare_jacobian(self.fn, xs, data)
+
     def run(self, xs: list, data: list, *extra: Any) -> Any:
-        _, jacs = self.backend.flat_jacobian(self.fn, xs, data)
-        return self.fn.unflatten_x(jacs)
+        return self.fn.unflatten_x(self._run(xs, data))
 
 
 class ValueAndJacobianPrep(Preparation):
@@ -264,11 +266,14 @@ class HvpPrep(Preparation):
 
     operator = "hvp"
 
+    def setup(self, xs: list, data: list) -> None:
+        self._run = self.backend.flat_prepare_hvp(self.fn, xs, data)
+
     def run(self, xs: list, data: list, *extra: Any) -> Any:
         (v,) = extra
         b, fn = self.backend, self.fn
         tangents = b.tangents(fn, xs, v, "v")
-        return fn.unflatten_x(b.complete(b.flat_hvp(fn, xs, data, tangents), xs))
+        return fn.unflatten_x(b.complete(self._run(xs, data, tangents), xs))
 
 
 class GradientAndHvpPrep(Preparation):

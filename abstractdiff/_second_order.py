@@ -26,7 +26,7 @@ import numpy as np
 
 from ._arrays import ar, dtype_name, shape_of, size_of
 from ._backend import Backend
-from ._derived import GradientFunction
+from ._derived import DerivedOperators, GradientFunction
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._hooks import HOOKS
 from ._tree import HasArtefacts, PlanCache, artefacts
@@ -270,6 +270,12 @@ class SecondOrder(Backend):
             _, _, jvp = self.outer.flat_value_and_pushforward_any(d, [x], data)
             d2 = np.asarray(jvp([np.ones_like(x)]))
             return self.inner.asarray(d2)
+        own = type(self.outer).flat_second_derivative
+        if self.outer == self.inner and own is not DerivedOperators.flat_second_derivative:
+            # one backend over itself: its own second derivative is that composition, by the
+            # route its library supports (paddle's is reverse over reverse: its forward over
+            # forward fails for sin and pow)
+            return self.outer.flat_second_derivative(fn, xs, data)
         d = self._wrapper(fn, "derivative", lambda: _Derivative(self.inner, fn))
         return _derivative(self.outer, d, xs, data)
 

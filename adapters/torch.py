@@ -573,6 +573,48 @@ class TorchBackend(Backend):
             jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
         return y, [_like(j, y) for j in jacs]
 
+    def flat_prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
+        # torch.func's jacrev/jacfwd built once per mode, over (*xs, *data): the per-call
+        # work is the transform's own.  The mode follows the sizes, looked up per shapes.
+        k = len(xs)
+        forward = self._forward(fn)
+        tensor = self._tensor
+
+        def value(*args: torch.Tensor) -> torch.Tensor:
+            return tensor(forward(list(args[:k]), list(args[k:]))[0])
+
+        argnums = tuple(range(k))
+        reverse = torch.func.jacrev(value, argnums, chunk_size=self.chunk_size)
+        forward_mode = torch.func.jacfwd(value, argnums)
+        modes: dict[tuple, tuple[Callable, Any]] = {}
+        general = self.flat_jacobian
+
+        def run(xs: list, data: list) -> list:
+            shapes = tuple(x.shape for x in (*xs, *data))
+            mode = modes.get(shapes)
+            if mode is None:
+                with torch.no_grad():
+                    y = value(*xs, *data)
+                if y.numel() <= sum(x.numel() for x in xs):
+                    mode = (reverse, y.dtype)
+                elif self.chunk_size is not None:  # jacfwd has no chunk_size: the core's chunks
+                    mode = (None, y.dtype)
+                else:
+                    mode = (forward_mode, y.dtype)
+                if len(modes) < 64:
+                    modes[shapes] = mode
+            transform, dtype = mode
+            if transform is None:
+                return general(fn, xs, data)[1]
+            try:
+                jacs = transform(*xs, *data)
+            except (TypeError, RuntimeError) as err:
+                _add_numpy_hint(err)
+                raise
+            return [j if j.dtype == dtype or not j.is_floating_point() else j.to(dtype) for j in jacs]
+
+        return run
+
     @_explains_numpy_mix
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
         return _like(torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0]), xs[0])

@@ -17,18 +17,6 @@ EXACT = ("torch", "jax", "tensorflow", "autograd", "mlx", "paddle", "pytensor")
 FD = "finite_differences"
 PAIRS = [(n, n) for n in EXACT] + [(FD, n) for n in (*EXACT, FD)]
 
-#: Known gaps: (backend label, scenario name, operator) -> reason, applied strictly (the
-#: label is "second_order(outer, inner)").
-_PADDLE_NESTED = (
-    "paddle 3.3's higher-order kernels of sin and pow fail in forward over forward (MetaTensor not "
-    "initialized); ad.second_derivative on the paddle backend itself fails the same way"
-)
-XFAILS: dict[tuple[str, str, str], str] = {
-    ("second_order(paddle, paddle)", "scalar_input", op): _PADDLE_NESTED
-    for op in ("second_derivative", "value_derivative_and_second_derivative", "prepared")
-}
-
-
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-over-{p[1]}")
 def test_second_order_scenarios(pair: tuple[str, str], dtype: str) -> None:
@@ -36,4 +24,4 @@ def test_second_order_scenarios(pair: tuple[str, str], dtype: str) -> None:
     operators = [op for op in OPERATORS if op in SECOND_ORDER]
     report = check_backend(ad.SecondOrder(outer, inner), default_scenarios(dtype), operators=operators, switching=False)
     assert report.results, "no scenario has a second-order reference"
-    _grid.assert_report(report, XFAILS)
+    _grid.assert_report(report)

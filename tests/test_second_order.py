@@ -134,11 +134,7 @@ def test_pytree_hvp_and_prepared_forms(so: SecondOrder) -> None:
     assert_close(prepared_h(X), sin_x2_hessian(X), rtol_of(so))
 
 
-#: Known gaps, applied strictly: (outer, inner) -> reason.
-SECOND_DERIVATIVE_XFAILS = {
-    ("paddle", "paddle"): "paddle 3.3's higher-order kernels of sin and pow fail in forward over forward "
-    "(ad.second_derivative on the paddle backend itself fails the same way)",
-}
+SECOND_DERIVATIVE_XFAILS: dict[tuple[str, str], str] = {}  # known gaps, applied strictly: (outer, inner) -> reason
 needs_family = pytest.mark.skipif(
     not hasattr(ad, "second_derivative"), reason="the second-order operator family is not there yet"
 )
