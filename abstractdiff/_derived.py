@@ -268,6 +268,18 @@ class DerivedOperators(AdapterHooks):
         y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
         return y, self.forward_jacobian(jvps, xs, y)
 
+    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
+        """A prepared operator's whole call, ``(x, *args) -> result`` (``(x, v, *args)`` for
+        ``hvp`` and ``gradient_and_hvp``), run by the library's own dispatcher, or ``None``
+        (the default: the core checks the inputs against ``prepared.signature`` in Python,
+        then runs ``prepared.preparation``).  An adapter whose library compares structure,
+        shapes and dtypes itself on every call (jax's ``jit``) returns a function that
+        does the core's check and run only when the library traces, that is for the first
+        call and for every call whose signature changed: then the check raises
+        :class:`~abstractdiff.ShapeMismatchError` as the core's would.
+        """
+        return None
+
     def flat_prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
         """``run(xs, data) -> [J_k]`` (no value) for repeated calls on inputs like ``xs``/``data``.
 

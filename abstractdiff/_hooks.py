@@ -41,6 +41,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "fast routes": (
         "flat_value_and_gradient",
         "flat_prepare_value_and_gradient",
+        "direct_prepared",
         "flat_jacobian",
         "flat_prepare_jacobian",
         "flat_hessian",

@@ -406,8 +406,12 @@ class Prepared:
         self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
         self.signature = Signature(self.operator, self.backend, fn, x, args, xs, data)
         self.preparation = self.backend.preparation(PREPARATIONS[self.operator], fn, xs, data)
+        # the library's own dispatcher doing the checks, where the adapter offers one
+        self._direct = self.backend.direct_prepared(self, xs, data)
 
     def __call__(self, x: Any, *args: Any) -> Any:
+        if self._direct is not None:
+            return self._direct(x, *args)
         xs, data = self.signature.check(x, args)
         return self.preparation.run(xs, data)
 
@@ -509,6 +513,8 @@ class PreparedHvp(Prepared):
         super().__init__(b, f, x, args)
 
     def __call__(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
+        if self._direct is not None:
+            return self._direct(x, v, *args)
         xs, data = self.signature.check(x, args)
         return self.preparation.run(xs, data, v)
 

@@ -31,6 +31,15 @@ _WIDE = (np.dtype("float64"), np.dtype("complex128"))
 _CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
 
 
+_ARRAY = type(jnp.zeros(0))  # jax's concrete array type (jaxlib's ArrayImpl)
+#: Prepared operators whose results are arrays only (no closures), which a jit can return.
+_DIRECT_OPERATORS = frozenset({
+    "gradient", "value_and_gradient", "jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian",
+    "hvp", "gradient_and_hvp", "derivative", "value_and_derivative", "second_derivative",
+    "value_derivative_and_second_derivative",
+})
+
+
 def _wants_x64(*groups: list) -> bool:
     return any(getattr(a, "dtype", None) in _WIDE for group in groups for a in group)
 
@@ -356,6 +365,45 @@ class JaxBackend(Backend):
                 return compiled(*args)
             except _CONCRETE_ERRORS as err:
                 raise TracedControlFlowError(self._control_flow_message(err)) from err
+
+        return direct
+
+    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
+        # jit's C++ dispatch flattens the user's pytree, compares structure, shapes and
+        # dtypes with its cache and runs the executable: no Python per call.  The body runs
+        # only when jit traces, that is at the first call and at any call whose signature
+        # differs from the preparation's, where the core's check raises ShapeMismatchError.
+        # Not for results holding closures or aux (which jit cannot return), static leaves
+        # (jit would trace them) or a scope to enter (x64, a device).
+        if (
+            not self.compile
+            or prepared.operator not in _DIRECT_OPERATORS
+            or prepared.has_aux
+            or prepared.signature.static
+            or self._scoped_device
+            or _wants_x64(xs, data)
+        ):
+            return None
+        signature, preparation = prepared.signature, prepared.preparation
+        with_tangent = prepared.operator in ("hvp", "gradient_and_hvp")
+
+        def call(x: Any, *rest: Any) -> Any:
+            extra, args = (rest[:1], rest[1:]) if with_tangent else ((), rest)
+            xs, data = signature.check(x, args)
+            return preparation.run(xs, data, *extra)
+
+        jitted = self._direct(jax.jit(call), False)
+        leaves = jax.tree_util.tree_leaves
+
+        def direct(x: Any, *rest: Any) -> Any:
+            # jax arrays only: jit would silently cast other inputs (numpy float64 outside
+            # x64 mode becomes float32) where the check must refuse them; a tracer (the
+            # prepared operator inside the user's own jit) takes the core's route too
+            if type(x) is _ARRAY and all(type(a) is _ARRAY for a in rest):
+                return jitted(x, *rest)
+            if all(type(a) is _ARRAY for a in leaves((x, rest))):
+                return jitted(x, *rest)
+            return call(x, *rest)
 
         return direct
 

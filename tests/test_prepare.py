@@ -239,3 +239,37 @@ def test_prepared_implicit_refuses_explicit_only_operators():
         ad.prepare_jacobian(ad.Implicit(FD), lambda: w.value, ad.Params([w]))
     with pytest.raises(ad.ModeMismatchError, match="ad.Params"):
         ad.prepare_gradient(ad.Implicit(FD), lambda: w.value.sum(), np.ones(2))
+
+
+# ---------------------------------------------- jax: jit's dispatcher does the checks
+@pytest.mark.skipif("jax" not in ad.available_backends(), reason="jax is not installed here")
+def test_jax_prepared_call_lets_jit_check_and_still_refuses_mismatches(monkeypatch):
+    from abstractdiff._prepare import Signature
+
+    b = ad.backend("jax")
+    x, w = b.asarray(np.linspace(-1, 1, 4).astype(np.float32)), b.asarray(np.eye(4, dtype=np.float32) * 0.5)
+    ops = {
+        "gradient": (ad.prepare_gradient(b, lambda x, w: anp.sum(anp.tanh(w @ x) ** 2), x, w),
+                     lambda p, x: p(x, w), lambda x: ad.gradient(b, lambda x, w: anp.sum(anp.tanh(w @ x) ** 2), x, w)),
+        "jacobian": (ad.prepare_jacobian(b, lambda x, w: anp.sin(w @ x), x, w),
+                     lambda p, x: p(x, w), lambda x: ad.jacobian(b, lambda x, w: anp.sin(w @ x), x, w)),
+        "hvp": (ad.prepare_hvp(b, lambda x, w: anp.sum((w @ x) ** 3), x, x, w),
+                lambda p, x: p(x, x, w), lambda x: ad.hvp(b, lambda x, w: anp.sum((w @ x) ** 3), x, x, w)),
+    }
+    checks = []
+    original = Signature.check
+    monkeypatch.setattr(Signature, "check", lambda self, *a: checks.append(1) or original(self, *a))
+    for name, (prepared, call, unprepared) in ops.items():
+        assert prepared._direct is not None, name
+        np.testing.assert_allclose(np.asarray(call(prepared, x)), np.asarray(unprepared(x)), rtol=1e-6)
+        before = len(checks)
+        for k in range(3):  # same signature: jit's C++ dispatch alone, the Python check does not run
+            np.testing.assert_allclose(np.asarray(call(prepared, x + k)), np.asarray(unprepared(x + k)), rtol=1e-6)
+        assert len(checks) == before, name
+        bad_inputs = (np.asarray(x, np.float64), b.asarray(np.ones(5, np.float32)), (x,), np.arange(4), x.astype(int))
+        for bad in bad_inputs:
+            with pytest.raises(ad.ShapeMismatchError):  # a retrace, where the check raises
+                call(prepared, bad)
+    # static leaves, aux and closures keep the core's check (jit would trace a static value)
+    assert ad.prepare_gradient(b, lambda x, s: anp.sum(x) * s, x, 2.0)._direct is None
+    assert ad.prepare_value_and_pullback(b, lambda x: x * 2, x)._direct is None
