@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             results.extend(run_backend(be, wl, opts.dtype, opts.rounds, opts.min_time))
     lines = table(results)
     print("\n".join(lines))
+    overhead_lines = overhead_table(results)
+    print("\n".join(overhead_lines))
+    lines = [*lines, "", "abstractdiff's own cost per call (its time minus native's, median of rounds):", "",
+             *overhead_lines]
     capture_lines = captures_table(workloads)
     print("\n".join(capture_lines))
     operator_lines: list[str] = []
@@ -112,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.no_write:
         write_markdown(opts, workloads, lines, memory_lines, import_lines, capture_lines, operator_lines)
     return 0
+
+
+def overhead_table(results: list[Result]) -> list[str]:
+    """Per backend and workload, abstractdiff's own microseconds per call (total minus native):
+    a regression of the interface shows here at a glance, whatever the workload's size."""
+    lines = ["| workload | backend | unprepared overhead (us) | prepared overhead (us) |", "|---|---|---:|---:|"]
+    keys = sorted({(r.workload, r.backend) for r in results}, key=lambda k: (list(WORKLOADS).index(k[0]), k[1]))
+    for wl, be in keys:
+        by = {r.variant: r.median_us for r in results if r.workload == wl and r.backend == be}
+        base = by.get("native")
+        if base is None:
+            continue
+        variants = ("abstractdiff", "abstractdiff prepared")
+        cells = [f"{by[v] - base:+,.1f}" if by.get(v) is not None else "n/a" for v in variants]
+        lines.append(f"| {wl} | {be} | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def captures_table(workloads: list[str], calls: int = 20000) -> list[str]:
