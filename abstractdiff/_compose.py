@@ -154,6 +154,11 @@ class ForeignKernel:
         return optree.tree_unflatten(self.out_treedef, leaves)
 
 
+def _shape(a: Any) -> tuple[int, ...]:
+    """A leaf's static shape (a Python float's is ``()``; PyTensor's ``x.shape`` is symbolic)."""
+    return shape_of(a) if hasattr(a, "shape") else np.shape(a)
+
+
 def _dtype_text(a: Any) -> str:
     if isinstance(a, float):
         return "float64"
@@ -183,7 +188,7 @@ class DifferentiateWith:
         leaves, treedef = optree.tree_flatten(x)
         key = (
             treedef,
-            tuple((np.shape(v), _dtype_text(v)) if is_float_leaf(v) else ("static", repr(v)) for v in leaves),
+            tuple((_shape(v), _dtype_text(v)) if is_float_leaf(v) else ("static", repr(v)) for v in leaves),
             in_dtype,
             tuple(map(repr, args)) if args else (),
         )
@@ -246,7 +251,7 @@ def _shapes_only(x: Any) -> Any:
 
     def leaf(v: Any) -> Any:
         if is_float_leaf(v):
-            return np.zeros(np.shape(v))
+            return np.zeros(_shape(v))
         return v
 
     return optree.tree_map(leaf, x)

@@ -26,6 +26,8 @@ __all__ = [
     "NonFiniteInputError",
     "NonScalarOutputError",
     "ShapeMismatchError",
+    "SparsityDetectionError",
+    "SparsityPatternError",
     "TracedControlFlowError",
     "UnknownBackendError",
 ]
@@ -90,6 +92,16 @@ class DeviceError(AbstractDiffError, ValueError):
 
 class TracedControlFlowError(AbstractDiffError, TypeError):
     """Python control flow on a traced value inside a compiled function."""
+
+
+class SparsityDetectionError(AbstractDiffError, NotImplementedError):
+    """Sparsity detection met an operation it has no rule for, or control flow (or a
+    conversion) on a traced value; pass the pattern with ``ad.Sparse(b, sparsity=...)``."""
+
+
+class SparsityPatternError(ShapeMismatchError):
+    """``ad.Sparse`` computed a derivative with a nonzero where its sparsity pattern (given
+    or detected) has none: the pattern is wrong for this point, and the sparse result would be."""
 
 
 class CheckpointError(AbstractDiffError, ValueError):

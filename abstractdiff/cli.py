@@ -5,7 +5,9 @@ available backend, explicit and through ``ad.Implicit``, on every device and in 
 and float32; prints a backend x operator table (pass/fail, max relative error against
 the analytic results, time), the cross-backend agreement, one line per GPU-versus-CPU
 comparison (or why it was skipped), and the training-parity summary
-(:func:`abstractdiff.parity.training_parity`, when that module is installed).  Exit
+(:func:`abstractdiff.parity.training_parity`, when that module is installed), and the
+composition matrix (one line per pair of exact backends: the outer's code calling the inner's
+kernel through :func:`abstractdiff.differentiate_with`, run in the outer's job).  Exit
 status 1 when anything fails.  Backends run in parallel worker processes (``--jobs``);
 ``--import MODULE`` loads a module that registers more backends (``ad.register_backend``).
 
@@ -72,6 +74,9 @@ class Job:
     # the switching family (one function at several dtypes and shapes) crosses dtypes: it
     # runs once per backend and device, in the job of the first dtype, unless scenarios are chosen
     switching: bool = False
+    # the inner backends of the composition matrix this job checks with its backend as the
+    # outer (the first CPU job of each backend; float64 where the plan has it)
+    composition: tuple[str, ...] = ()
 
 
 @dataclass
@@ -84,6 +89,7 @@ class JobResult:
     # Labels of the reports made by approximating backends (testing.is_approximate), decided
     # where the backend exists: reports only carry labels, and "exact" must not be guessed by name.
     approximate: list[str] = field(default_factory=list)
+    composition: list = field(default_factory=list)  # testing._composition.PairResult
 
 
 @dataclass
@@ -105,6 +111,7 @@ class Plan:
     ticks: int = 0  # progress units: one per scenario per target, one for parity
     imports: tuple[str, ...] = ()  # --import modules, imported again in every worker
     max_failures: int = 30
+    composition: bool = True  # whether the composition matrix runs (--no-composition)
 
 
 @dataclass
@@ -190,7 +197,27 @@ def run_job(job: Job, tick: Callable[[str], None] | None = None) -> JobResult:
         out.reports.append(testing.check_backend(
             target, scenarios, progress=(lambda s, label=label: tick(label)) if tick else None,
             switching=job.switching))
+    if job.composition:
+        out.composition = _run_composition(b, job)
+        if tick is not None:
+            tick(f"{job.backend} composition")
     return out
+
+
+def _run_composition(b: Any, job: Job) -> list:
+    """The composition pairs with ``b`` as the outer backend (exact backends only)."""
+    from abstractdiff import testing
+    from abstractdiff.testing._composition import PairResult, check_pair
+
+    if testing.is_approximate(b):
+        return []
+    results = []
+    for inner in job.composition:
+        try:
+            results.append(check_pair(b, inner, job.dtype))
+        except Exception as err:  # the inner backend could not load: a failed pair
+            results.append(PairResult(b.name, inner, job.dtype, failure=_error_text(err)))
+    return results
 
 
 def _run_parity(backends: list[str], dtypes: tuple[str, ...], devices: bool) -> Any:
@@ -290,6 +317,9 @@ def plan(args: argparse.Namespace) -> Plan:
             runnable.append(name)
     jobs = [Job(name, kind, dtype, implicit, scenarios, switching=scenarios is None and dtype == dtypes[0])
             for name in runnable for kind in DEVICES[args.device] for dtype in dtypes]
+    composition = not args.no_composition
+    if composition:
+        _plan_composition(jobs, runnable, dtypes)
     if args.no_training:
         parity_skip = "training parity: skipped (--no-training)"
     elif importlib.util.find_spec(PARITY_MODULE) is None:
@@ -305,9 +335,19 @@ def plan(args: argparse.Namespace) -> Plan:
         jobs=_start_order(jobs), notes=notes, problems=problems, parity=parity,
         parity_backends=runnable if parity else [], parity_skip=parity_skip,
         workers=max(1, min(args.jobs or _usable_cpus(), len(jobs) + parity)),
-        ticks=per_job * len(jobs) + parity, imports=tuple(args.imports or ()),
-        max_failures=args.max_failures,
+        ticks=per_job * len(jobs) + parity + sum(bool(j.composition) for j in jobs),
+        imports=tuple(args.imports or ()), max_failures=args.max_failures, composition=composition,
     )
+
+
+def _plan_composition(jobs: list[Job], runnable: list[str], dtypes: tuple[str, ...]) -> None:
+    """Give each backend's first CPU job (float64 where it runs) the inner backends of its pairs."""
+    names = [n for n in runnable if n != "implicit"]  # ad.Implicit wraps a backend: no pairs of its own
+    dtype = "float64" if "float64" in dtypes else dtypes[0]
+    for name in names:
+        job = next((j for j in jobs if j.backend == name and j.device == "cpu" and j.dtype == dtype), None)
+        if job is not None and len(names) > 1:
+            job.composition = tuple(n for n in names if n != name)
 
 
 # ------------------------------------------------------------------- running
@@ -560,6 +600,26 @@ def _device_section(plan: Plan, results: list[JobResult]) -> _Section:
     return out
 
 
+def _composition_section(plan: Plan, results: list[JobResult]) -> _Section:
+    """The composition matrix: one line per (outer, inner) pair, checked in the outer's job."""
+    from abstractdiff.testing._composition import TOLERANCES
+
+    pairs = [p for r in results for p in r.composition]
+    dtype = pairs[0].dtype if pairs else "float64"
+    out = _Section([f"composition (outer code calling an inner kernel through differentiate_with, against the "
+                    f"same function in one library; {dtype}, tolerance {TOLERANCES[dtype]:.0e}):"])
+    if not plan.composition:
+        out.lines.append("  skipped: --no-composition")
+    elif not pairs:
+        out.lines.append("  skipped: " + ("--device gpu" if plan.device == "gpu" else "fewer than two exact backends"))
+    for pair in pairs:
+        out.lines.append(f"  composition: {pair.line()}")
+        out.json.append(pair.to_dict())
+        if not pair.ok:
+            out.failures.append(f"composition: {pair.line()}")
+    return out
+
+
 def _parity_section(plan: Plan, outcome: Outcome) -> _Section:
     """The parity table with a last line that speaks for parity alone.
 
@@ -618,7 +678,7 @@ def _header(plan: Plan) -> str:
 def report(plan: Plan, outcome: Outcome) -> tuple[list[str], dict[str, Any], int]:
     """The text lines, the JSON document and the exit status (0 pass, 1 fail) of a run.
 
-    Every failure (conformance, agreement, devices, training parity, backends that
+    Every failure (conformance, agreement, devices, composition, training parity, backends that
     could not load) is listed and counted in the final PASS/FAIL line.
     """
     results = _sorted_results(plan, outcome.results)
@@ -627,13 +687,14 @@ def report(plan: Plan, outcome: Outcome) -> tuple[list[str], dict[str, Any], int
     conformance = _conformance_section(reports, notes)
     agreement = _agreement_section(plan, reports, outcome.approximate)
     devices = _device_section(plan, results)
+    composition = _composition_section(plan, results)
     parity = _parity_section(plan, outcome)
     if not reports and not problems:
         problems.append("nothing ran: no backend was available" + (" with a GPU" if plan.device == "gpu" else ""))
-    failures = conformance.failures + agreement.failures + devices.failures
+    failures = conformance.failures + agreement.failures + devices.failures + composition.failures
     count = len(problems) + len(failures) + len(parity.failures)
     lines = [_header(plan)]
-    for section in (conformance, agreement, devices, parity):
+    for section in (conformance, agreement, devices, composition, parity):
         lines += ["", *section.lines]
     if count:
         shown = failures[: plan.max_failures]
@@ -655,6 +716,7 @@ def report(plan: Plan, outcome: Outcome) -> tuple[list[str], dict[str, Any], int
         "reports": [rep.to_dict() for rep in reports],
         "agreement": agreement.json,
         "devices": devices.json,
+        "composition": composition.json,
         "training_parity": _parity_json(outcome.parity, outcome.parity_error),
         "failures": [str(f) for f in failures],
     }
@@ -705,6 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="worker processes (default: the number of usable CPUs); 1 runs in this process")
     check.add_argument("--no-implicit", action="store_true", help="skip the ad.Implicit runs")
     check.add_argument("--no-training", action="store_true", help="skip the training-parity summary")
+    check.add_argument("--no-composition", action="store_true",
+                       help="skip the composition matrix (each backend's code calling every other's kernel)")
     check.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     check.add_argument("--max-failures", type=int, default=30, help="failures listed in the text output (default 30)")
     check.set_defaults(run=_check)

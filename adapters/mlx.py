@@ -63,6 +63,7 @@ from abstractdiff._cache import WeakLRU
 from abstractdiff._errors import (
     ArgumentTypeError,
     CollectedError,
+    CompositionError,
     DeviceError,
     InvalidArgumentError,
     InvalidOutputError,
@@ -433,6 +434,48 @@ class MLXBackend(Backend):
                 ))
             warnings.warn(_NUMPY_OUTPUT, RuntimeWarning, stacklevel=4)
         return self.from_numpy(np.asarray(y))
+
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        # mx.custom_function with the kernel's pullback (vjp) and pushforward (jvp), each
+        # itself a custom function whose own derivatives raise: never a silent zero.  The
+        # kernel needs concrete values, which MLX has under mx.grad/vjp/jvp but not under
+        # mx.vmap or mx.compile (the backend's Jacobians and Hessians batch with mx.vmap).
+        def numpy_of(a: Any) -> np.ndarray:
+            try:
+                return np.array(a)
+            except ValueError as err:
+                if _EVAL_IN_TRANSFORM not in str(err):
+                    raise
+                raise CompositionError(
+                    f"mlx code calling a {kernel.backend.name} kernel through differentiate_with inside "
+                    f"mx.vmap or mx.compile is not supported (the kernel needs concrete values; the mlx "
+                    f"backend's jacobian and hessian batch with mx.vmap, and a second derivative through the "
+                    f"boundary is not supported either): use gradient, pullback or pushforward, with "
+                    f"compile=False"
+                ) from err
+
+        def refuse(*_: Any) -> Any:
+            raise CompositionError(
+                f"a second derivative through differentiate_with's boundary (mlx code calling a "
+                f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or "
+                f"write the kernel with mlx (an mlx kernel nests natively)"
+            )
+
+        def op(compute: Callable[..., np.ndarray], dtype: str) -> Any:
+            fun = mx.custom_function(lambda *xs: mx.array(compute(*map(numpy_of, xs)), dtype=_mx_dtype(dtype)))
+            fun.vjp(refuse)
+            fun.jvp(refuse)
+            return fun
+
+        pullback = op(kernel.vjp, kernel.in_dtype)
+        pushforward = op(kernel.jvp, kernel.out_dtype)
+        foreign = mx.custom_function(
+            lambda x: mx.array(kernel.value(numpy_of(x)), dtype=_mx_dtype(kernel.out_dtype))
+        )
+        foreign.vjp(lambda x, dy, y: pullback(_one(x), _one(dy)))
+        foreign.jvp(lambda x, dx: pushforward(_one(x), _one(dx)))
+        return foreign
 
     # --------------------------------------------------------------- variables
     def is_variable(self, v: Any) -> bool:

@@ -55,6 +55,7 @@ import optree
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
+    CompositionError,
     DeviceError,
     InvalidOutputError,
     ModeMismatchError,
@@ -185,7 +186,14 @@ def _operator(method: Callable) -> Callable:
     def operator(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
-        except (RuntimeError, ValueError) as err:
+        except CompositionError:
+            raise
+        except Exception as err:
+            refused = _refusal(err)
+            if refused is not None:
+                raise refused from err
+            if not isinstance(err, (RuntimeError, ValueError)):
+                raise
             message, notes = str(err), getattr(err, "__notes__", ())
             for pattern, hint in _HINTS:
                 if pattern in message and hint not in notes:
@@ -620,6 +628,14 @@ class PaddleBackend(Backend):
         owner_ref = weakref.ref(owner)
         return static, lambda *args: static(owner_ref(), *args)
 
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        # paddle.autograd.PyLayers: the kernel's value, its pullback as the backward, and the
+        # pullback's own backward raising (a second derivative).  Forward mode here is the
+        # double-vjp trick, a derivative of the pullback: _pushforward takes its route by
+        # pullbacks instead (one per output element), which needs first derivatives only.
+        return lambda x: _Foreign.apply(kernel, x)
+
     # ------------------------------------------------------------ reverse mode
     @staticmethod
     def _pullback(rec: _Recorded) -> Callable[[Any], list]:
@@ -697,6 +713,11 @@ class PaddleBackend(Backend):
                         if route == _DOUBLE_VJP_ROUTES[-1]:
                             raise
                         continue
+                    except OSError as err:  # a kernel of differentiate_with has no second derivative
+                        if route == _DOUBLE_VJP_ROUTES[-1] or _refusal(err) is None:
+                            raise
+                        routes.put("route", _DOUBLE_VJP_ROUTES[-1])
+                        return apply(_DOUBLE_VJP_ROUTES[-1], ts)
                     routes.put("route", route)
                     return out
             raise AssertionError("unreachable")
@@ -787,6 +808,64 @@ class PaddleBackend(Backend):
 
 def _size(a: Any) -> int:
     return int(np.prod([int(d) for d in a.shape], dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------------------
+# differentiate_with: another library's kernel as paddle PyLayers of one flat tensor.
+# paddle reports an exception raised in a PyLayer's backward as an OSError ("(External)
+# ... Error message in backward of GradNodePyLayer..."): the refusal is kept here, per
+# thread, for _operator to raise as itself.
+_refused = threading.local()
+
+
+def _refusal(err: BaseException) -> CompositionError | None:
+    """The CompositionError a foreign kernel's backward raised, if paddle's ``err`` reports it."""
+    refused = getattr(_refused, "error", None)
+    if refused is None or str(refused).splitlines()[0] not in str(err):
+        return None
+    _refused.error = None
+    return refused
+
+
+def _numpy_of(t: Any) -> np.ndarray:
+    return t.detach().numpy()
+
+
+class _ForeignPullback(paddle.autograd.PyLayer):
+    """The kernel's pullback as a paddle operation; differentiating it again raises.
+
+    (The double-vjp trick of forward mode differentiates it with respect to the cotangent:
+    the refusal sends it to its route by first derivatives, see ``_pushforward``.)"""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Any, x: Any, dy: Any) -> Any:
+        ctx.kernel = kernel
+        return paddle.to_tensor(kernel.vjp(_numpy_of(x), _numpy_of(dy)), dtype=kernel.in_dtype, place=x.place)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        _refused.error = CompositionError(
+            f"a second derivative through differentiate_with's boundary (paddle code calling a "
+            f"{ctx.kernel.backend.name} kernel) is not supported: differentiate once through it, or write "
+            f"the kernel with paddle (a paddle kernel nests natively)"
+        )
+        raise _refused.error
+
+
+class _Foreign(paddle.autograd.PyLayer):
+    """Another library's kernel as a paddle operation of one flat tensor (see
+    :func:`abstractdiff.differentiate_with`): its value, and the kernel's pullback."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Any, x: Any) -> Any:
+        ctx.kernel = kernel
+        ctx.save_for_backward(x)
+        return paddle.to_tensor(kernel.value(_numpy_of(x)), dtype=kernel.out_dtype, place=x.place)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Any) -> Any:
+        (x,) = ctx.saved_tensor()
+        return _ForeignPullback.apply(ctx.kernel, x, dy)
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ variables and argument signature.  PyTensor has no module or model type of its o
 from __future__ import annotations
 
 import re
+import warnings
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -39,8 +41,9 @@ import optree
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.gradient import hessian_vector_product, jacobian, pullback, pushforward
-from pytensor.graph.basic import Variable
+from pytensor.gradient import grad_undefined, hessian_vector_product, jacobian, pullback, pushforward
+from pytensor.graph.basic import Apply, Variable
+from pytensor.graph.op import Op
 from pytensor.graph.replace import graph_replace
 from pytensor.tensor.sharedvar import TensorSharedVariable
 from pytensor.tensor.variable import TensorConstant, TensorVariable
@@ -48,6 +51,7 @@ from pytensor.tensor.variable import TensorConstant, TensorVariable
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
+    CompositionError,
     DeviceError,
     InvalidArgumentError,
     NonDifferentiableInputError,
@@ -64,6 +68,12 @@ _SYMBOLIC_HINT = (
     "compiles it) and an operation needed their numbers. Write f with autoray (`from autoray import "
     "numpy as anp`) or pytensor.tensor rather than numpy calls, float() or .item()."
 )
+# What a foreign kernel's refusal of a second derivative says (see _no_second_order): PyTensor
+# raises NullTypeGradError with it, which _trace turns into a CompositionError.
+_SECOND_ORDER = re.compile(r"(a second derivative through differentiate_with's boundary.*)", re.DOTALL)
+# PyTensor's Numba mode runs an Op without a Numba implementation in object mode, and warns;
+# for a kernel of another library that is the only way, so the warning says nothing.
+_OBJECT_MODE = r"Numba will use object mode to run _Foreign"
 
 
 #: The ``mode=`` options: PyTensor's compilation modes whose functions take and return numpy
@@ -270,6 +280,15 @@ class PyTensorBackend(Backend):
         value = self.to_numpy(value)
         return pytensor.shared(value.copy(), shape=value.shape)
 
+    # ------------------------------------------------------------- composition
+    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
+        # PyTensor Ops running the kernel's numpy functions: the value's pullback is an Op
+        # applying the kernel's pullback, whose own pullback (what PyTensor's default
+        # pushforward, a double pullback, takes with respect to the cotangent) applies the
+        # kernel's pushforward; every other derivative of those is undefined (a NullType
+        # gradient, which PyTensor raises on and _trace reports as a CompositionError).
+        return _ForeignValue(kernel)
+
     # ------------------------------------------------------------ compiling
     def _trace(self, body: Callable, call: Callable, wrt: list, *groups: list) -> tuple[list, Any]:
         """``body(call, wrt, *groups)``: the operator's graph from one symbolic run of ``f``."""
@@ -277,6 +296,9 @@ class PyTensorBackend(Backend):
         try:
             return body(call, wrt, *groups)
         except TypeError as err:
+            refused = _SECOND_ORDER.search(str(err))
+            if refused is not None:  # a NullType gradient from a foreign kernel's pullback
+                raise CompositionError(refused.group(1)) from err
             match = _CONCRETE.search(str(err))
             if match is None:
                 raise
@@ -306,7 +328,9 @@ class PyTensorBackend(Backend):
     def _compile(self, call: Callable, body: Callable, groups: tuple, wrt: list | None = None) -> _Compiled:
         inputs, outputs, n, meta = self._graph(call, body, groups, wrt)
         # trust_input: the signature this variant is keyed on fixes every input's type
-        function = pytensor.function(inputs, outputs, mode=self.mode, on_unused_input="ignore", trust_input=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_OBJECT_MODE, category=UserWarning)
+            function = pytensor.function(inputs, outputs, mode=self.mode, on_unused_input="ignore", trust_input=True)
         self.compilations += 1
         return _Compiled(function, n, meta)
 
@@ -449,6 +473,104 @@ class PyTensorBackend(Backend):
             return self._run(fn, "vjp", self._vjp_body, [], data, [dy], wrt=variables, call=call)[0]
 
         return y, vjp
+
+
+# ---------------------------------------------------------------------------------------
+# differentiate_with: another library's kernel as PyTensor Ops of one flat vector.
+def _no_second_order(kernel: Any) -> str:
+    return (
+        f"a second derivative through differentiate_with's boundary (pytensor code calling a "
+        f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or write "
+        f"the kernel with pytensor (a pytensor kernel nests natively)"
+    )
+
+
+_LIVE_OPS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _live_op(key: int) -> Any:
+    return _LIVE_OPS[key]
+
+
+class _ForeignOp(Op):
+    """An Op computing ``compute(*inputs)`` on numpy vectors with one of the kernel's
+    functions; one per kernel (its identity is the kernel's).  ``inputs`` names the
+    kernel attributes giving the inputs' dtypes, ``output`` those giving the output's
+    size and dtype."""
+
+    __props__ = ("kernel",)
+    inputs: tuple[str, ...] = ("in_dtype",)
+    output = ("out_size", "out_dtype")
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def __reduce__(self) -> tuple:
+        # Numba's object mode pickles the Op it calls back (within this process); the kernel
+        # holds locks and another library's functions, so the Op pickles as a reference
+        _LIVE_OPS[id(self)] = self
+        return _live_op, (id(self),)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}{{{self.kernel.backend.name}}}"
+
+    def make_node(self, *inputs: Any) -> Apply:
+        k = self.kernel
+        inputs = [pt.cast(pt.as_tensor_variable(a), getattr(k, d)) for a, d in zip(inputs, self.inputs)]
+        size, dtype = (getattr(k, name) for name in self.output)
+        return Apply(self, inputs, [pt.vector(dtype=dtype, shape=(size,))])
+
+    def perform(self, node: Any, inputs: list, outputs: list) -> None:
+        outputs[0][0] = np.asarray(self.compute(*inputs), dtype=getattr(self.kernel, self.output[1]))
+
+    def compute(self, *inputs: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def infer_shape(self, fgraph: Any, node: Any, shapes: list) -> list:
+        return [(getattr(self.kernel, self.output[0]),)]
+
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        why = _no_second_order(self.kernel)
+        return [grad_undefined(self, i, a, why) for i, a in enumerate(inputs)]
+
+
+class _ForeignPushforward(_ForeignOp):
+    """``(x, dx) -> J dx``: the kernel's pushforward; not differentiable again."""
+
+    inputs = ("in_dtype", "in_dtype")
+
+    def compute(self, x: np.ndarray, dx: np.ndarray) -> np.ndarray:
+        return self.kernel.jvp(x, dx)
+
+
+class _ForeignPullback(_ForeignOp):
+    """``(x, dy) -> J^T dy``: the kernel's pullback.  Linear in ``dy``: its pullback with
+    respect to ``dy`` is the pushforward (PyTensor's double-pullback forward mode); with
+    respect to ``x`` it is a second derivative, undefined."""
+
+    inputs = ("in_dtype", "out_dtype")
+    output = ("in_size", "in_dtype")
+
+    def compute(self, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+        return self.kernel.vjp(x, dy)
+
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        x, _ = inputs
+        return [grad_undefined(self, 0, x, _no_second_order(self.kernel)),
+                _ForeignPushforward(self.kernel)(x, cotangents[0])]
+
+
+class _ForeignValue(_ForeignOp):
+    """``x -> f(x)``: the kernel's value, differentiated by the kernel's pullback and pushforward."""
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        return self.kernel.value(x)
+
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        return [_ForeignPullback(self.kernel)(inputs[0], cotangents[0])]
+
+    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
+        return [_ForeignPushforward(self.kernel)(inputs[0], tangents[0])]
 
 
 # ---------------------------------------------------------------------------------------

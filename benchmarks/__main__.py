@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import abstractdiff as ad
 
-from . import import_time, memory, operators
+from . import import_time, memory, operators, sparse
 from .harness import Result, run_backend
 from .workloads import WORKLOADS
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory comparison")
     parser.add_argument("--no-import", action="store_true", help="skip the import-time comparison")
     parser.add_argument("--no-operators", action="store_true", help="skip the jacobian and hvp comparison")
+    parser.add_argument("--no-sparse", action="store_true", help="skip the sparse against dense Jacobian comparison")
     opts = parser.parse_args(argv)
 
     available = set(ad.available_backends())
@@ -103,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  jacobian and hvp / {', '.join(names)} ...", file=sys.stderr, flush=True)
         operator_lines = operators.table(operators.run(names, opts.dtype, opts.rounds, opts.min_time))
         print("\n".join(operator_lines))
+    if not opts.no_sparse:
+        names = [b for b in backends if b in sparse.BACKENDS]
+        print(f"  sparse jacobian / {', '.join(names)} ...", file=sys.stderr, flush=True)
+        sparse_lines = sparse.table(sparse.run(names))
+        print("\n".join(sparse_lines))
+        operator_lines = [*operator_lines, "", "Sparse against dense Jacobian, 2-D Laplacian residual with 10^4 "
+                          "unknowns, float64 (`python -m benchmarks.sparse`):", "", *sparse_lines]
     memory_lines: list[str] = []
     if not opts.no_memory:
         print("  peak memory (fresh processes) ...", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from abstractdiff.adapters.finite_differences import FiniteDifferencesBackend
 
 import abstractdiff as ad
 from abstractdiff import cli, testing
@@ -337,3 +338,66 @@ def test_import_failure_is_a_usage_error(capsys, tmp_path, monkeypatch):
             cli.main(["check", "--import", module])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- composition
+class _OffPullbackFd(FiniteDifferencesBackend):
+    """Finite differences whose pullbacks are 0.1% too large: a wrong inner kernel."""
+
+    name = "off_pullback_fd"
+
+    def flat_value_and_pullback(self, fn, xs, data):
+        y, aux, pullback = super().flat_value_and_pullback(fn, xs, data)
+        return y, aux, lambda dy: [g * 1.001 for g in pullback(dy)]
+
+
+def test_plan_composition_goes_to_each_backends_first_cpu_job(clean_registry):
+    ad.register_backend("off_pullback_fd", _OffPullbackFd)
+    p = make_plan("--backend", "finite_differences", "--backend", "off_pullback_fd", "--scenario", "sum_squares",
+                  "--no-training")
+    pairs = {(j.backend, j.device, j.dtype): j.composition for j in p.jobs if j.composition}
+    assert pairs == {("finite_differences", "cpu", "float64"): ("off_pullback_fd",),
+                     ("off_pullback_fd", "cpu", "float64"): ("finite_differences",)}
+    assert p.composition and p.ticks == 2 * 2 * 2 * 2 + 2  # jobs x (explicit, implicit) + one composition tick each
+    p = make_plan("--backend", "finite_differences", "--backend", "off_pullback_fd", "--no-composition",
+                  "--no-training")
+    assert not p.composition and not any(j.composition for j in p.jobs)
+    assert make_plan("--backend", "finite_differences", "--dtype", "float32").jobs[0].composition == ()
+
+
+def test_report_composition_lines_and_failures():
+    from abstractdiff.testing._composition import PairResult
+
+    plan = hand_plan("exact_a", "exact_b")
+    good = PairResult("exact_a", "exact_b", "float64", passed=["value", "gradient", "pullback"], refused="TypeError")
+    bad = PairResult("exact_b", "exact_a", "float64", passed=["value"], failure="max abs diff 3e-04 (gradient)")
+    results = [cli.JobResult(plan.jobs[0], [make_report("exact_a")], composition=[good]),
+               cli.JobResult(plan.jobs[1], [make_report("exact_b")], composition=[bad])]
+    lines, data, status = cli.report(plan, cli.Outcome(results))
+    assert "  composition: exact_a over exact_b: ok (gradient, pullback); forward mode refused (TypeError)" in lines
+    assert "  composition: exact_b over exact_a: FAIL max abs diff 3e-04 (gradient)" in lines
+    assert status == 1 and lines[-1].startswith("FAIL: 2 backend x device x dtype runs, 2 checks, 1 failure(s)")
+    assert [c["ok"] for c in data["composition"]] == [True, False]
+    plan.composition = False
+    lines, _, _ = cli.report(plan, cli.Outcome(results[:1]))
+    assert "  skipped: --no-composition" in lines
+
+
+@pytest.mark.skipif("autograd" not in ad.available_backends(), reason="needs an exact backend: autograd")
+def test_check_composition_passing_and_failing_pairs(capsys, clean_registry):
+    ad.register_backend("off_pullback_fd", _OffPullbackFd)
+    argv = ["check", "--backend", "autograd", "--backend", "finite_differences", "--backend", "off_pullback_fd",
+            "--jobs", "1", "--no-progress", "--no-training", "--no-implicit", "--device", "cpu", "--dtype",
+            "float64", "--scenario", "sum_squares"]
+    assert cli.main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    failures = lines[lines.index("failures:"):]
+    pairs = [line for line in lines[:lines.index("failures:")] if line.startswith("  composition: ")]
+    # finite differences approximate: they are inners only
+    assert pairs[0] == "  composition: autograd over finite_differences: ok (gradient, pullback, pushforward)"
+    assert pairs[1].startswith("  composition: autograd over off_pullback_fd: FAIL max abs diff ")
+    assert pairs[1].endswith("(gradient)") and len(pairs) == 2
+    assert pairs[1] in failures
+    assert lines[-1].startswith("FAIL: ")  # (the wrong backend's own conformance fails too)
+    assert cli.main([*argv[:5], *argv[7:], "--no-composition"]) == 0
+    assert not any(line.startswith("  composition: ") for line in capsys.readouterr().out.splitlines())

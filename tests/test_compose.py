@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 from autoray import numpy as anp
 
 import abstractdiff as ad
+from abstractdiff.testing._composition import X, check_pair, kernel, outer_code, reference
 
-OUTERS = [name for name in ("torch", "jax", "tensorflow", "autograd") if importlib.util.find_spec(name)]
-INNERS = OUTERS + [name for name in ("mlx", "paddle", "pytensor") if name in ad.available_backends()]
+# available_backends, not importing: paddle imported after tensorflow crashes (its adapter
+# imports it safely)
+OUTERS = [name for name in ("torch", "jax", "tensorflow", "autograd", "mlx", "paddle", "pytensor")
+          if name in ad.available_backends()]
+INNERS = OUTERS
 #: outer libraries whose forward mode reaches the kernel's pushforward
-FORWARD = {"torch", "autograd"}
-TOL = {"float64": 1e-12, "float32": 1e-5}
-
-
-def kernel(x):
-    """Written once with autoray: a pytree in ({"u": (3,), "v": (2,)}), a pytree out."""
-    return {"a": anp.sin(x["u"]) * x["v"][0], "b": anp.sum(x["u"] ** 3)}
-
-
-def outer_code(g):
-    def outer(t):
-        out = g({"u": t[:3] * 2.0, "v": t[3:]})
-        return anp.concatenate([out["a"] ** 2, anp.reshape(out["b"], (1,))])
-
-    return outer
-
-
-def reference(t):
-    u, v = t[:3] * 2.0, t[3:]
-    return anp.concatenate([(anp.sin(u) * v[0]) ** 2, anp.reshape(anp.sum(u**3), (1,))])
+FORWARD = {"torch", "autograd", "mlx", "paddle", "pytensor"}
 
 
 def scalar(f):
@@ -40,31 +23,18 @@ def scalar(f):
     return lambda t: anp.sum(f(t) * anp.cos(t[:4]))
 
 
-X = np.array([0.1, 0.2, 0.3, 1.5, 2.0])
-
-
-def _close(got, want, dtype):
-    got, want = ad.to_numpy(got), ad.to_numpy(want)
-    assert got.dtype == want.dtype == np.dtype(dtype)
-    np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
-
-
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("outer", OUTERS)
 def test_matrix(outer, inner, dtype):
-    b = ad.backend(outer)
-    g = ad.differentiate_with(kernel, inner)
-    f, ref = outer_code(g), reference
-    x = b.asarray(X.astype(dtype))
-    dy = b.asarray(np.array([1.0, -2.0, 0.5, 3.0], dtype))
-    _close(ad.gradient(b, lambda t: anp.sum(f(t) * dy), x), ad.gradient(b, lambda t: anp.sum(ref(t) * dy), x), dtype)
-    _close(ad.pullback(b, f, x)(dy), ad.pullback(b, ref, x)(dy), dtype)
-    with b.scope([x]):  # jax computes in float64 only in its x64 scope
-        _close(f(x), ref(x), dtype)  # the value, outside any derivative
-    if outer in FORWARD:
-        dx = b.asarray(np.linspace(-1, 1, 5).astype(dtype))
-        _close(ad.pushforward(b, f, x)(dx), ad.pushforward(b, ref, x)(dx), dtype)
+    """The value outside any derivative, the gradient, the pullback and (where the outer
+    library has forward mode through the boundary) the pushforward, against the same
+    function in one library: float64 to 1e-12, float32 to 1e-5 (the check ``abstractdiff
+    check`` runs, :func:`abstractdiff.testing._composition.check_pair`)."""
+    result = check_pair(outer, inner, dtype)
+    assert result.ok, result.line()
+    want = ["value", "gradient", "pullback"] + (["pushforward"] if outer in FORWARD or outer == inner else [])
+    assert result.passed == want, result.line()
 
 
 @pytest.mark.parametrize("outer", sorted(set(OUTERS) - FORWARD - {"torch"}))
@@ -203,3 +173,12 @@ def test_a_backend_without_the_hook_says_so():
 
     with pytest.raises(ad.CompositionError, match="foreign_function"):
         Bare().foreign_function(None)
+
+
+@pytest.mark.skipif("mlx" not in OUTERS or "autograd" not in INNERS, reason="needs mlx and autograd")
+def test_mlx_jacobian_refused_under_vmap():
+    # the mlx backend's Jacobians batch with mx.vmap, where the kernel gets no concrete values
+    b = ad.backend("mlx")
+    f = outer_code(ad.differentiate_with(kernel, "autograd"))
+    with pytest.raises(ad.CompositionError, match="mx.vmap"):
+        ad.jacobian(b, f, b.asarray(X))
