@@ -313,6 +313,14 @@ class TensorFlowBackend(Backend):
             y, _ = self._call(fn, _watched(tape, xs), data)
         return (y, tape.jacobian(y, xs, unconnected_gradients=_ZERO)), None
 
+    def _jacobian_only(self, fn: Any, xs: list, data: list) -> tuple:
+        # what a prepared jacobian needs: no value, and one source rather than a list of one
+        with tf.GradientTape() as tape:
+            y, _ = self._call(fn, _watched(tape, xs), data)
+        if len(xs) == 1:
+            return [tape.jacobian(y, xs[0], unconnected_gradients=_ZERO)], None
+        return tape.jacobian(y, xs, unconnected_gradients=_ZERO), None
+
     def _hessian(self, fn: Any, xs: list, data: list) -> tuple:
         with tf.GradientTape() as outer:
             with tf.GradientTape() as inner:
@@ -422,6 +430,30 @@ class TensorFlowBackend(Backend):
         if self.chunk_size is not None:  # the core's chunks of batched (pfor) calls
             return super().flat_jacobian(fn, xs, data)
         return self._run(fn, "jacobian", self._jacobian, xs, data)[0]
+
+    def flat_prepare_jacobian(self, fn: Any, xs: list, data: list) -> Callable[[list, list], list]:
+        if self.chunk_size is not None:
+            return super().flat_prepare_jacobian(fn, xs, data)
+        general = lambda xs, data: list(self._run(fn, "jacobian only", self._jacobian_only, xs, data)[0])  # noqa: E731
+        if not (self.compile and isinstance(fn, HasArtefacts)):
+            return general
+        # the compiled tf.function looked up once, not per call
+        store = fn.artefacts(self, "jacobian only")
+        compiled, _ = store.get("tf.function", lambda: self._compiled(fn, self._jacobian_only))
+
+        def run(xs: list, data: list) -> list:
+            if not tf.executing_eagerly():
+                return general(xs, data)
+            try:
+                jacs, _ = compiled(xs, data)
+            except Exception as err:
+                mapped = _traced_value_error(err)
+                if mapped is None:
+                    raise
+                raise mapped from err
+            return list(jacs)
+
+        return run
 
     def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:
         return self._run(fn, "hessian", self._hessian, xs, data)[0]
