@@ -362,14 +362,19 @@ class Signature:
 
     def check(self, x: Any, args: tuple) -> tuple[list, list]:
         fn = self.fn
-        if fn._one_array and not args and type(x) in _LEAF_ARRAY_TYPES:  # the hot path: f(x), one array
+        if fn._array_args and type(x) in _LEAF_ARRAY_TYPES and len(args) == len(self.data_raw):
+            # the hot path, f(x, *arrays): no flattening, one shape and dtype per array
             ((shape, dtype),) = self.x_raw
             try:
-                same = x.shape == shape and x.dtype == dtype
+                same = x.shape == shape and x.dtype == dtype and all(
+                    type(a) in _LEAF_ARRAY_TYPES and a.shape == s and a.dtype == d
+                    for a, (s, d) in zip(args, self.data_raw)
+                )
             except Exception:  # dtypes of two libraries that do not compare
                 same = False
             if same:
-                return [self.backend.convert(x)], []
+                convert = self.backend.convert
+                return [convert(x)], [convert(a) for a in args]
         leaves, x_treedef = optree.tree_flatten(x)
         if x_treedef != fn.x_treedef:
             raise self.mismatch("x of structure", fn.x_treedef, x_treedef)

@@ -214,6 +214,8 @@ class FlatFunction(HasArtefacts):
         "_preparations",
         "_captured",
         "_one_array",
+        "_x_leaf",
+        "_array_args",
         "__weakref__",
     )
 
@@ -241,11 +243,15 @@ class FlatFunction(HasArtefacts):
         self._preparations: dict[Any, Any] = {}
         # objects f reads that its plan key names by identity (see abstractdiff._captures)
         self._captured: list[Callable[[], Any]] = []
-        # f(x) with x one float array and no arguments: rebuilding is the identity (hot path)
-        self._one_array = (
-            n_x_leaves == 1 and diff_index == (0,) and not data_index
-            and x_treedef == _LEAF_TREEDEF and args_treedef == _NO_ARGS_TREEDEF
+        # The hot paths, where rebuilding (x, args) from flat leaves is the identity:
+        # x one float array (_x_leaf), each argument one array (_array_args: no static
+        # leaf, no container), and both with no arguments at all (_one_array).
+        self._x_leaf = n_x_leaves == 1 and diff_index == (0,) and x_treedef == _LEAF_TREEDEF
+        n_args = args_treedef.num_children
+        self._array_args = (
+            self._x_leaf and args_treedef.num_leaves == n_args and data_index == tuple(range(1, 1 + n_args))
         )
+        self._one_array = self._array_args and n_args == 0
 
     def hold_captured(self, objects: list[Any]) -> None:
         """Remember the objects the plan key names by identity: weakly where possible, else
@@ -288,8 +294,8 @@ class FlatFunction(HasArtefacts):
         return x, args
 
     def __call__(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
-        if self._one_array:
-            out = self.f(xs[0])
+        if self._array_args:
+            out = self.f(xs[0], *data)
         else:
             x, args = self.rebuild(xs, data)
             out = self.f(x, *args)
@@ -298,7 +304,7 @@ class FlatFunction(HasArtefacts):
 
     def unflatten_x(self, values: list[Any], fill: Any = None) -> PyTree:
         """A tree shaped like ``x`` with ``values`` at the float leaves, ``fill`` elsewhere."""
-        if self._one_array:
+        if self._x_leaf:
             return values[0]
         leaves = [fill] * self.n_x_leaves
         for i, v in zip(self.diff_index, values):

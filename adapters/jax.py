@@ -24,7 +24,7 @@ import numpy as np
 
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import ArgumentTypeError, CompositionError, DeviceError, TracedControlFlowError
-from abstractdiff._tree import HasArtefacts
+from abstractdiff._tree import HasArtefacts, _static_key
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
 # jax raises these when Python needs a concrete value (bool(), int(), float()) of a tracer.
@@ -32,6 +32,22 @@ _CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerInteger
 
 
 _ARRAY = type(jnp.zeros(0))  # jax's concrete array type (jaxlib's ArrayImpl)
+
+
+class _Static:
+    """A static argument of a jitted prepared call, equal to another by the core's exact
+    key (its type, a float's bits): jit's own comparison would take -0.0 for 0.0."""
+
+    __slots__ = ("value", "key")
+
+    def __init__(self, value: Any):
+        self.value, self.key = value, _static_key(value)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Static and self.key == other.key
 #: Prepared operators whose results are arrays only (no closures), which a jit can return.
 _DIRECT_OPERATORS = frozenset({
     "gradient", "value_and_gradient", "jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian",
@@ -373,37 +389,51 @@ class JaxBackend(Backend):
         # dtypes with its cache and runs the executable: no Python per call.  The body runs
         # only when jit traces, that is at the first call and at any call whose signature
         # differs from the preparation's, where the core's check raises ShapeMismatchError.
-        # Not for results holding closures or aux (which jit cannot return), static leaves
-        # (jit would trace them) or a scope to enter (x64, a device).
+        # Static leaves are jit's static arguments, compared by the core's exact key (so
+        # -0.0 is not 0.0); only as whole arguments (a static leaf inside x or inside a
+        # container argument would be traced).  Not for results holding closures or aux
+        # (which jit cannot return), or with a scope to enter (x64, a device).
+        signature, preparation, fn = prepared.signature, prepared.preparation, prepared.fn
+        with_tangent = prepared.operator in ("hvp", "gradient_and_hvp")
+        offset = 1 if with_tangent else 0  # arguments start after v in (x, v, *args)
+        n_args = fn.args_treedef.num_children
+        whole_args = fn.args_treedef.num_leaves == n_args  # every argument is one leaf
+        static = sorted(i - fn.n_x_leaves + offset for i, _, _ in signature.static)
         if (
             not self.compile
             or prepared.operator not in _DIRECT_OPERATORS
             or prepared.has_aux
-            or prepared.signature.static
+            or (static and (not whole_args or static[0] < offset))
             or self._scoped_device
             or _wants_x64(xs, data)
         ):
             return None
-        signature, preparation = prepared.signature, prepared.preparation
-        with_tangent = prepared.operator in ("hvp", "gradient_and_hvp")
+        n_rest = offset + n_args
+        dynamic = [i for i in range(n_rest) if i not in static]
 
         def call(x: Any, *rest: Any) -> Any:
+            rest = tuple(a.value if type(a) is _Static else a for a in rest)
             extra, args = (rest[:1], rest[1:]) if with_tangent else ((), rest)
             xs, data = signature.check(x, args)
             return preparation.run(xs, data, *extra)
 
-        jitted = self._direct(jax.jit(call), False)
+        jitted = self._direct(jax.jit(call, static_argnums=tuple(1 + i for i in static)), False)
         leaves = jax.tree_util.tree_leaves
 
         def direct(x: Any, *rest: Any) -> Any:
             # jax arrays only: jit would silently cast other inputs (numpy float64 outside
             # x64 mode becomes float32) where the check must refuse them; a tracer (the
             # prepared operator inside the user's own jit) takes the core's route too
-            if type(x) is _ARRAY and all(type(a) is _ARRAY for a in rest):
-                return jitted(x, *rest)
-            if all(type(a) is _ARRAY for a in leaves((x, rest))):
-                return jitted(x, *rest)
-            return call(x, *rest)
+            if len(rest) != n_rest:
+                return call(x, *rest)  # the core's check says what is wrong
+            if not (
+                (type(x) is _ARRAY and all(type(rest[i]) is _ARRAY for i in dynamic))
+                or all(type(a) is _ARRAY for a in leaves((x, [rest[i] for i in dynamic])))
+            ):
+                return call(x, *rest)
+            if static:
+                rest = tuple(_Static(a) if i in static else a for i, a in enumerate(rest))
+            return jitted(x, *rest)
 
         return direct
 

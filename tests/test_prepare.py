@@ -270,6 +270,13 @@ def test_jax_prepared_call_lets_jit_check_and_still_refuses_mismatches(monkeypat
         for bad in bad_inputs:
             with pytest.raises(ad.ShapeMismatchError):  # a retrace, where the check raises
                 call(prepared, bad)
-    # static leaves, aux and closures keep the core's check (jit would trace a static value)
-    assert ad.prepare_gradient(b, lambda x, s: anp.sum(x) * s, x, 2.0)._direct is None
+    # static arguments are jit's static arguments, compared by the core's exact key
+    scaled = ad.prepare_gradient(b, lambda x, s: anp.sum(x) * s, x, 0.0)
+    assert scaled._direct is not None
+    np.testing.assert_allclose(np.asarray(scaled(x, 0.0)), np.zeros(4))
+    for other in (3.0, -0.0, 0):  # another value, -0.0 (equal to 0.0 for jit's own cache), another type
+        with pytest.raises(ad.ShapeMismatchError, match="static"):
+            scaled(x, other)
+    # a static leaf inside a container, aux and closures keep the core's check in Python
+    assert ad.prepare_gradient(b, lambda p: anp.sum(p[0]) * p[1], (x, 2.0))._direct is None
     assert ad.prepare_value_and_pullback(b, lambda x: x * 2, x)._direct is None
