@@ -680,7 +680,12 @@ class MLXBackend(Backend):
         return run
 
     def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
-        y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
+        try:
+            y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
+        except CompositionError:
+            # f calls another library's kernel (ad.differentiate_with), which needs concrete
+            # values that mx.vmap does not give: the core's route, one pullback per row
+            return super().flat_jacobian(fn, xs, data)
         _evaluated(y, jacs, xs, data)
         return y, list(jacs)
 
