@@ -93,6 +93,15 @@ def _implicit_output(out: Any) -> Any:
     return y if tf.is_tensor(y) else tf.constant(np.asarray(y))
 
 
+_EAGER = type(tf.constant(0.0))  # TensorFlow's eager tensor type
+#: Prepared operators whose results are tensors only (no closures), which a tf.function can return.
+_DIRECT_OPERATORS = frozenset({
+    "gradient", "value_and_gradient", "jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian",
+    "hvp", "gradient_and_hvp", "derivative", "value_and_derivative", "second_derivative",
+    "value_derivative_and_second_derivative",
+})
+
+
 class TensorFlowBackend(Backend):
     name = "tensorflow"
     extra = "tensorflow"
@@ -430,6 +439,49 @@ class TensorFlowBackend(Backend):
         if self.chunk_size is not None:  # the core's chunks of batched (pfor) calls
             return super().flat_jacobian(fn, xs, data)
         return self._run(fn, "jacobian", self._jacobian, xs, data)[0]
+
+    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
+        # A tf.function with an input_signature of the preparation's shapes and dtypes:
+        # TensorFlow checks each call against it itself, and a call it refuses goes
+        # through the core's check, which says what changed (ShapeMismatchError).  For
+        # f(x, *arrays) with tensors only (TensorFlow would convert numpy inputs to the
+        # signature's dtype, where the check must refuse another dtype), no aux, no closures.
+        fn = prepared.fn
+        if not (
+            self.compile
+            and prepared.operator in _DIRECT_OPERATORS
+            and not prepared.has_aux
+            and fn._array_args
+            and all(isinstance(a, tf.Tensor) for a in (*xs, *data))
+        ):
+            return None
+        signature, preparation = prepared.signature, prepared.preparation
+        offset = 1 if prepared.operator in ("hvp", "gradient_and_hvp") else 0
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in xs]
+        specs += specs[:1] * offset + [tf.TensorSpec(a.shape, a.dtype) for a in data]
+        n_rest = len(specs) - 1
+
+        def call(x: Any, *rest: Any) -> Any:
+            self.trace_count += 1
+            with tf.device(self.tf_device):
+                return preparation.run([x], list(rest[offset:]), *rest[:offset])
+
+        compiled = tf.function(call, input_signature=specs, autograph=False)
+
+        def checked(x: Any, *rest: Any) -> Any:
+            extra, args = rest[:offset], rest[offset:]
+            xs, data = signature.check(x, args)
+            return preparation.run(xs, data, *extra)
+
+        def direct(x: Any, *rest: Any) -> Any:
+            if type(x) is _EAGER and len(rest) == n_rest and all(type(a) is _EAGER for a in rest):
+                try:
+                    return compiled(x, *rest)
+                except (TypeError, ValueError):
+                    pass  # refused by the signature (or raised by f): the core's route says why
+            return checked(x, *rest)
+
+        return direct
 
     def flat_prepare_jacobian(self, fn: Any, xs: list, data: list) -> Callable[[list, list], list]:
         if self.chunk_size is not None:

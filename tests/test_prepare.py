@@ -280,3 +280,30 @@ def test_jax_prepared_call_lets_jit_check_and_still_refuses_mismatches(monkeypat
     # a static leaf inside a container, aux and closures keep the core's check in Python
     assert ad.prepare_gradient(b, lambda p: anp.sum(p[0]) * p[1], (x, 2.0))._direct is None
     assert ad.prepare_value_and_pullback(b, lambda x: x * 2, x)._direct is None
+
+
+@pytest.mark.skipif("tensorflow" not in ad.available_backends(), reason="tensorflow is not installed here")
+def test_tensorflow_prepared_call_lets_the_input_signature_check(monkeypatch):
+    import tensorflow as tf
+
+    from abstractdiff._prepare import Signature
+
+    b = ad.backend("tensorflow")
+    x, w = tf.constant(np.linspace(-1, 1, 4), tf.float32), tf.constant(np.eye(4) * 0.5, tf.float32)
+
+    def f(x, w):
+        return tf.reduce_sum(tf.tanh(tf.linalg.matvec(w, x)) ** 2)
+
+    grad = ad.prepare_gradient(b, f, x, w)
+    hvp = ad.prepare_hvp(b, f, x, x, w)
+    assert grad._direct is not None and hvp._direct is not None
+    checks = []
+    original = Signature.check
+    monkeypatch.setattr(Signature, "check", lambda self, *a: checks.append(1) or original(self, *a))
+    for k in range(3):
+        np.testing.assert_allclose(grad(x + k, w).numpy(), ad.gradient(b, f, x + k, w).numpy(), rtol=1e-6)
+        np.testing.assert_allclose(hvp(x, x + k, w).numpy(), ad.hvp(b, f, x, x + k, w).numpy(), rtol=1e-6)
+    assert not checks  # TensorFlow compared the inputs with the signature itself
+    for bad in (tf.cast(x, tf.float64), tf.ones(5), np.asarray(x, np.float64), (x,)):
+        with pytest.raises(ad.ShapeMismatchError):
+            grad(bad, w)
