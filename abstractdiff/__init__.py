@@ -23,6 +23,7 @@ from ._errors import (
     CollectedError,
     CompositionError,
     DeviceError,
+    DistributedError,
     InvalidArgumentError,
     InvalidOutputError,
     ModeMismatchError,
@@ -95,6 +96,7 @@ _LAZY = {
     "save_checkpoint": "abstractdiff._checkpoint",
     "load_checkpoint": "abstractdiff._checkpoint",
     "StepInfo": "abstractdiff._train",
+    "DataParallel": "abstractdiff._distributed",
 }
 _SUBMODULES = ("optim", "testing")
 
@@ -119,6 +121,7 @@ __all__ = [
     "AbstractDiffError",
     "ArgumentTypeError",
     "Batch",
+    "DataParallel",
     "InvalidArgumentError",
     "UnknownVariableError",
     "Grads",
@@ -159,6 +162,7 @@ __all__ = [
     "CollectedError",
     "CompositionError",
     "DeviceError",
+    "DistributedError",
     "InvalidOutputError",
     "ModeMismatchError",
     "NonDifferentiableInputError",

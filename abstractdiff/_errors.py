@@ -19,6 +19,7 @@ __all__ = [
     "CompositionError",
     "CheckpointError",
     "DeviceError",
+    "DistributedError",
     "InvalidOutputError",
     "ModeMismatchError",
     "NonDifferentiableInputError",
@@ -106,6 +107,12 @@ class SparsityPatternError(ShapeMismatchError):
 
 class CheckpointError(AbstractDiffError, ValueError):
     """A checkpoint file is truncated, unsafe, or does not match the expected structure."""
+
+
+class DistributedError(AbstractDiffError, RuntimeError):
+    """Data-parallel training cannot go on: not launched as several processes, processes
+    that disagree (world size, model structure), or a collective operation that failed
+    or timed out (another process died or hangs)."""
 
 
 class CompositionError(AbstractDiffError, NotImplementedError):

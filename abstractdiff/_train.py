@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import optree
@@ -21,6 +21,9 @@ from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
 from ._tree import is_array
+
+if TYPE_CHECKING:
+    from ._distributed import DataParallel
 
 __all__ = ["StepInfo", "train", "train_step"]
 
@@ -157,6 +160,30 @@ def _non_finite(step: int, state: optim.OptState, model: Any, holding: str) -> N
     )
 
 
+def _distributed_start(dp: DataParallel, model: Any, implicit: bool, n_rows: Any) -> Any:
+    """Before the first step: the processes agree on the model and batch, and take rank 0's
+    parameters (written into the variables in implicit mode)."""
+    from ._distributed import describe
+
+    values = [optim.read(p) for p in optim.params_of(model)] if implicit else None
+    dp.check_same("the model (structure, shapes, dtypes) and the batch size",
+                  [describe(values if implicit else model), n_rows])
+    if implicit:
+        for p, value in zip(optim.params_of(model), dp.broadcast(values)):
+            optim.write(p, value)
+        return model
+    leaves, treedef = optree.tree_flatten(model)
+    arrays = iter(dp.broadcast([a for a in leaves if is_array(a)]))
+    return optree.tree_unflatten(treedef, [next(arrays) if is_array(a) else a for a in leaves])
+
+
+def _check_distributed(dp: Any) -> None:
+    from ._distributed import DataParallel
+
+    if not isinstance(dp, DataParallel):
+        raise ArgumentTypeError(f"distributed must be an ad.DataParallel(...) or None, got {type(dp).__name__}")
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     model: Any,
@@ -164,6 +191,7 @@ def train_step(
     state: optim.OptState,
     *,
     backend: Backend | str,
+    distributed: DataParallel | None = None,
 ) -> tuple[optim.OptState, Any, Any]:
     """One optimisation step: ``train_step(loss_fn, model, batch, state, backend=b) -> (state, model, loss)``.
 
@@ -178,6 +206,12 @@ def train_step(
         NonFiniteError: the loss or a gradient is NaN or infinite; nothing was applied,
             and the error carries the last good ``state`` and ``model`` and the step number.
         ModeMismatchError: variables passed to an explicit backend, or the reverse.
+        DistributedError: see :class:`~abstractdiff.DataParallel`.
+
+    ``distributed=ad.DataParallel()`` (in every process of a ``torchrun`` launch): each
+    process takes its block of the batch's rows, the loss and gradients are averaged
+    across processes before the update, and before the first step (``state.step == 0``)
+    rank 0's parameters are broadcast; see :class:`~abstractdiff.DataParallel`.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -196,6 +230,10 @@ def train_step(
         )
     batch = _as_batch(batch)
     step = state.step + 1
+    share = 1.0
+    if distributed is not None:
+        _check_distributed(distributed)
+        batch, share, n_rows = distributed.shard(batch)
     if b.implicit:
         if not state.implicit:
             raise ModeMismatchError(
@@ -203,8 +241,15 @@ def train_step(
                 f"of arrays; pass a model holding variables (an nn.Module, a Keras model, "
                 f"ad.variables(...)) to optim.setup and train_step, or use the explicit backend {_inner(b)!r}"
             )
+        if distributed is not None and state.step == 0:
+            model = _distributed_start(distributed, model, True, n_rows)
         params = optim.params_of(model)
         loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
+        if distributed is not None:
+            from ._implicit import Grads
+
+            loss, values = distributed.average(loss, [grads[p] for p in params], share)
+            grads = Grads(params, values)
         check = _finite_check(step, state, model, loss, [grads[p] for p in params], "the variables hold the values")
         state, model = optim._apply(state, model, grads, check)
         return state, model, loss
@@ -216,7 +261,13 @@ def train_step(
         )
     model = _convert_tree(b, model)
     state = state._replace(tree=_convert_tree(b, state.tree))
+    if distributed is not None and state.step == 0:
+        model = _distributed_start(distributed, model, False, n_rows)
     loss, grads = b.value_and_gradient(loss_fn, model, *batch)
+    if distributed is not None:
+        g_leaves, g_def = optree.tree_flatten(grads, none_is_leaf=True)
+        loss, g_leaves = distributed.average(loss, g_leaves, share)
+        grads = optree.tree_unflatten(g_def, g_leaves)
     holding = "the error's .model and .state are the values"
     check = _finite_check(step, state, model, loss, optree.tree_leaves(grads), holding)
     state, model = optim._apply(state, model, grads, check)
@@ -266,6 +317,7 @@ def train(
     epochs: int = 1,
     callbacks: Iterable[Callable[[StepInfo], Any]] = (),
     progress: bool = True,
+    distributed: DataParallel | None = None,
 ) -> tuple[optim.OptState, Any]:
     """Train for ``epochs`` passes over ``data``: ``train(loss_fn, model, data, state, backend=b) -> (state, model)``.
 
@@ -278,9 +330,14 @@ def train(
     when tqdm is installed, else a line per epoch on stderr; ``progress=False`` prints
     nothing.
 
+    ``distributed=ad.DataParallel()`` trains data-parallel over the processes of a
+    ``torchrun`` launch (see :func:`train_step`); every process runs the same loop and
+    callbacks, and only rank 0 shows progress.
+
     Raises:
         NonFiniteError: see :func:`train_step`; ``err.model``/``err.state`` hold
             everything learned before the failing step.
+        DistributedError: see :class:`~abstractdiff.DataParallel`.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -303,6 +360,9 @@ def train(
             "once per epoch"
         )
     callbacks = tuple(callbacks)
+    if distributed is not None:
+        _check_distributed(distributed)
+        progress = progress and distributed.is_main
     try:
         total = len(data) * epochs  # type: ignore[arg-type]
     except TypeError:
@@ -311,7 +371,8 @@ def train(
     try:
         for epoch in range(epochs):
             for batch in data:
-                state, model, loss = train_step(loss_fn, model, batch, state, backend=backend)
+                state, model, loss = train_step(loss_fn, model, batch, state, backend=backend,
+                                                distributed=distributed)
                 value = float(to_numpy(loss))
                 bar.step(epoch, value)
                 info = StepInfo(epoch, state.step, value, model, state)

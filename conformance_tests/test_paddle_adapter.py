@@ -5,6 +5,7 @@ numpy conversions that detach, in-place writes, devices, implicit mode with padd
 
 from __future__ import annotations
 
+import builtins
 import os
 import subprocess
 import sys
@@ -423,6 +424,15 @@ def portable_loss(x, a):
 
 
 SCALE = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _no_interactive_value(monkeypatch):
+    # paddle's to_static compares each function it converts with every value of builtins
+    # (its is_builtin check); an array left in builtins._ by an interactive display (a
+    # doctest run earlier in this process, or a REPL) makes that comparison raise, and
+    # to_static gives up (the adapter then runs f eagerly, with a warning)
+    monkeypatch.setattr(builtins, "_", None, raising=False)
 # paddle's own warning while it builds a program's backward (pir_partial_program), not ours
 TO_STATIC_NOISE = "ignore:Tensor do not have 'place' interface:UserWarning"
 

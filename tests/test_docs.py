@@ -139,6 +139,8 @@ def _api_objects() -> dict[int, str]:
 def _public() -> list[tuple[str, object]]:
     out = [(f"abstractdiff.{n}", getattr(ad, n)) for n in ad.__all__ if n not in ("optim", "testing")]
     out += [(f"abstractdiff.optim.{n}", getattr(ad.optim, n)) for n in ad.optim.__all__]
+    out += [(f"abstractdiff.optim.schedules.{n}", getattr(ad.optim.schedules, n))
+            for n in ad.optim.schedules.__all__ if n != "Schedule"]
     out += [(f"abstractdiff.testing.{n}", getattr(ad.testing, n)) for n in ad.testing.__all__]
     return out
 

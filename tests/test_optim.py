@@ -12,7 +12,7 @@ import pytest
 import abstractdiff as ad
 from abstractdiff import optim
 
-ARRAY_LIBS = ["numpy", "torch", "jax", "tensorflow", "autograd"]
+ARRAY_LIBS = ["numpy", "torch", "jax", "tensorflow", "autograd", "mlx", "paddle", "pytensor"]
 RTOL = {"float64": 1e-12, "float32": 2e-6}
 
 
@@ -104,6 +104,70 @@ def ref_clip_descent(x, gs, omega, p, lr):
     return ref_descent(x, [clip(g, omega, p) for g in gs], lr)
 
 
+def ref_adagrad(x, gs, lr, eps, acc0):
+    acc, out = np.full_like(x, acc0), []
+    for g in gs:
+        acc = acc + g**2
+        x = x - lr * g / (np.sqrt(acc) + eps)
+        out.append(x)
+    return out
+
+
+def ref_adabelief(x, gs, lr, b1, b2, eps):
+    m, s, out = np.zeros_like(x), np.zeros_like(x), []
+    for t, g in enumerate(gs, start=1):
+        m = b1 * m + (1 - b1) * g
+        s = b2 * s + (1 - b2) * (g - m) ** 2 + eps
+        x = x - lr * (m / (1 - b1**t)) / (np.sqrt(s / (1 - b2**t)) + eps)
+        out.append(x)
+    return out
+
+
+def ref_lion(x, gs, lr, b1, b2):
+    m, out = np.zeros_like(x), []
+    for g in gs:
+        x = x - lr * np.sign(b1 * m + (1 - b1) * g)
+        m = b2 * m + (1 - b2) * g
+        out.append(x)
+    return out
+
+
+def ref_decay_momentum(x, gs, wd, kappa, lr, rho):
+    """chain(WeightDecay(wd), SignDecay(kappa), Momentum(lr, rho))."""
+    v, out = np.zeros_like(x), []
+    for g in gs:
+        v = rho * v + lr * (g + wd * x + kappa * np.sign(x))
+        x = x - v
+        out.append(x)
+    return out
+
+
+def ref_accumulate_adam(x, gs, n, lr):
+    """chain(AccumulateGradients(n), Adam(lr)): Adam on the mean of each n gradients."""
+    out, means = [], []
+    for k in range(len(gs) // n):
+        means.append(sum(gs[k * n : (k + 1) * n]) / n)
+    steps = ref_adam(x, means, lr, 0.9, 0.999, 1e-8)
+    for i in range(len(gs)):
+        done = (i + 1) // n
+        out.append(x if done == 0 else steps[done - 1])
+    return out
+
+
+def ref_scheduled_adam(x, gs, schedule):
+    m, s, out = np.zeros_like(x), np.zeros_like(x), []
+    for t, g in enumerate(gs, start=1):
+        m = 0.9 * m + 0.1 * g
+        s = 0.999 * s + 0.001 * g**2
+        x = x - schedule(t - 1) * (m / (1 - 0.9**t)) / (np.sqrt(s / (1 - 0.999**t)) + 1e-8)
+        out.append(x)
+    return out
+
+
+def cosine_lr(t):
+    return 0.05 * 0.5 * (1 + math.cos(math.pi * min(t, 4) / 4))
+
+
 # (id, rule, reference(x, gradients) -> x after each step)
 CASES = [
     ("Descent", optim.Descent(lr=0.1), lambda x, gs: ref_descent(x, gs, 0.1)),
@@ -134,6 +198,39 @@ CASES = [
         "ClipNorm-inf",
         optim.chain(optim.ClipNorm(0.3, p=math.inf), optim.Descent(0.1)),
         lambda x, gs: ref_clip_descent(x, gs, 0.3, math.inf, 0.1),
+    ),
+]
+CASES += [
+    (
+        "ClipGrad",
+        optim.chain(optim.ClipGrad(0.5), optim.Descent(0.1)),
+        lambda x, gs: ref_descent(x, [np.clip(g, -0.5, 0.5) for g in gs], 0.1),
+    ),
+    (
+        "WeightDecay+SignDecay",
+        optim.chain(optim.WeightDecay(0.1), optim.SignDecay(0.05), optim.Momentum(0.05, 0.8)),
+        lambda x, gs: ref_decay_momentum(x, gs, 0.1, 0.05, 0.05, 0.8),
+    ),
+    (
+        "AccumulateGradients",
+        optim.chain(optim.AccumulateGradients(2), optim.Adam(0.02)),
+        lambda x, gs: ref_accumulate_adam(x, gs, 2, 0.02),
+    ),
+    (
+        "Adagrad",
+        optim.Adagrad(lr=0.1, eps=1e-6, initial_accumulator_value=0.1),
+        lambda x, gs: ref_adagrad(x, gs, 0.1, 1e-6, 0.1),
+    ),
+    (
+        "AdaBelief",
+        optim.AdaBelief(lr=0.02, betas=(0.8, 0.99), eps=1e-8),
+        lambda x, gs: ref_adabelief(x, gs, 0.02, 0.8, 0.99, 1e-8),
+    ),
+    ("Lion", optim.Lion(lr=0.02, betas=(0.8, 0.95)), lambda x, gs: ref_lion(x, gs, 0.02, 0.8, 0.95)),
+    (
+        "Adam-cosine-schedule",
+        optim.Adam(lr=optim.schedules.cosine(0.05, 4)),
+        lambda x, gs: ref_scheduled_adam(x, gs, cosine_lr),
     ),
 ]
 RULES = [c[1] for c in CASES]

@@ -1,0 +1,345 @@
+"""Data-parallel training: ``ad.train(..., distributed=ad.DataParallel())``.
+
+Each process (launched by ``torchrun``) gets the same global batch, takes its own
+contiguous block of rows, computes the loss and gradient of its block with its own AD
+backend, and the gradients are averaged across processes with a collective of an
+existing engine (``torch.distributed``: gloo on CPUs, NCCL on GPUs), weighted by each
+block's share of the rows, so that every process applies the full-batch mean gradient.
+
+The core knows no AD library (tests/test_layering.py): the engine is an adapter,
+``abstractdiff.adapters.torch_distributed``, loaded when a ``DataParallel`` is created;
+arrays of any backend cross to it by DLPack or numpy and come back as the backend's own
+arrays (dtype and device kept) through the backends' hooks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from typing import Any, Callable
+
+import optree
+
+from . import optim
+from ._convert import to_numpy
+from ._errors import ArgumentTypeError, DistributedError, InvalidArgumentError
+from ._registry import backend_for
+from ._tree import is_array
+
+__all__ = ["DataParallel", "shard_batch", "shard_rows"]
+
+#: The engine, as a "module:attribute" string (like the registry's built-in backends).
+ENGINE = "abstractdiff.adapters.torch_distributed:TorchProcessGroup"
+_UNEVEN = ("weight", "error")
+
+
+def _load_engine() -> Callable[..., Any]:
+    module, _, attribute = ENGINE.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def shard_rows(n: int, rank: int, world_size: int) -> slice:
+    """The rows of a batch of ``n`` that process ``rank`` of ``world_size`` takes.
+
+    ``shard_rows(n, rank, world_size) -> slice``: contiguous blocks in rank order, as
+    ``numpy.array_split`` cuts them (the first ``n % world_size`` processes take one row
+    more).
+
+    Example:
+        >>> from abstractdiff._distributed import shard_rows
+        >>> [shard_rows(10, r, 3) for r in range(3)]
+        [slice(0, 4, None), slice(4, 7, None), slice(7, 10, None)]
+    """
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"DataParallel: the environment variable {name}={value!r} is not an integer") from None
+
+
+def _resolve(rank: int | None, world_size: int | None, init_method: str | None) -> tuple[int, int, str]:
+    """Rank, world size and rendezvous, from the arguments or torchrun's environment."""
+    env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    for name, given, env in (("rank", rank, env_rank), ("world_size", world_size, env_world)):
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+            raise ArgumentTypeError(f"DataParallel: {name} must be an int, got {type(given).__name__}")
+        if given is not None and env is not None and given != env:
+            raise DistributedError(
+                f"DataParallel: {name}={given} was given, but this process was launched as "
+                f"{'RANK' if name == 'rank' else 'WORLD_SIZE'}={env} (torchrun's environment); pass the same "
+                f"value or leave it out"
+            )
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    if rank is None or world_size is None:
+        raise DistributedError(
+            "DataParallel: this process was not launched for data-parallel training (RANK and WORLD_SIZE "
+            "are not set); launch the script with `torchrun --standalone --nproc_per_node 2 script.py`, or "
+            "pass rank=, world_size= and init_method='tcp://host:port' to every process"
+        )
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"DataParallel: need world_size >= 1 and 0 <= rank < world_size, got "
+                                   f"rank={rank}, world_size={world_size}")
+    if init_method is None:
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise DistributedError(
+                "DataParallel: no rendezvous: set MASTER_ADDR and MASTER_PORT (torchrun does) or pass "
+                "init_method='tcp://host:port' (the same on every process)"
+            )
+        init_method = "env://"
+    return rank, world_size, init_method
+
+
+def _is_float(a: Any) -> bool:
+    import autoray
+
+    name = autoray.get_dtype_name(a)
+    return name.startswith(("float", "bfloat", "complex"))
+
+
+def _leading(a: Any) -> int | None:
+    shape = getattr(a, "shape", None)
+    return None if shape is None or len(shape) == 0 else int(shape[0])
+
+
+def shard_batch(batch: Any, rank: int, world_size: int, uneven: str = "weight") -> tuple[Any, float, int]:
+    """Process ``rank``'s block of rows of every array of ``batch`` with a leading axis.
+
+    ``shard_batch(batch, rank, world_size, uneven="weight") -> (rows, share, n)``: ``share``
+    is the block's fraction ``len(block) / n`` of the batch's ``n`` rows, the weight of its
+    gradient in the average.  Non-array arguments (and 0-d arrays) are passed whole.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff._distributed import shard_batch
+        >>> (x, scale), share, n = shard_batch((np.arange(5.0), 2.0), rank=1, world_size=2)
+        >>> x, scale, share, n
+        (array([3., 4.]), 2.0, 0.4, 5)
+    """
+    leaves, treedef = optree.tree_flatten(batch)
+    sizes = {n for n in (_leading(a) for a in leaves if is_array(a)) if n is not None}
+    if not sizes:
+        raise InvalidArgumentError(
+            "DataParallel: the batch has no array with a leading (batch) axis to split between the processes"
+        )
+    if len(sizes) > 1:
+        raise InvalidArgumentError(
+            f"DataParallel: the batch's arrays have different leading (batch) axes {sorted(sizes)}; every "
+            f"array of a batch is split by its rows, so they must have the same number of rows"
+        )
+    n = sizes.pop()
+    if n < world_size:
+        raise InvalidArgumentError(
+            f"DataParallel: a batch of {n} rows cannot be split between {world_size} processes; "
+            f"use batches of at least {world_size} rows"
+        )
+    if n % world_size and uneven == "error":
+        raise InvalidArgumentError(
+            f"DataParallel: a batch of {n} rows does not split evenly between {world_size} processes "
+            f"(uneven='error'); use a multiple of {world_size}, or uneven='weight'"
+        )
+    rows = shard_rows(n, rank, world_size)
+    mine = [a[rows] if is_array(a) and _leading(a) is not None else a for a in leaves]
+    return optree.tree_unflatten(treedef, mine), (rows.stop - rows.start) / n, n
+
+
+class DataParallel:
+    """Average gradients over processes, each training on its block of every batch.
+
+    ``DataParallel(backend="auto", *, timeout=300.0, rank=None, world_size=None,
+    init_method=None, uneven="weight")``.
+
+    Pass it as ``ad.train(..., distributed=dp)`` or ``ad.train_step(..., distributed=dp)``
+    in every process of a ``torchrun`` launch (``torchrun --standalone --nproc_per_node 2
+    script.py``); rank and world size come from torchrun's environment, or from
+    ``rank=``/``world_size=``/``init_method=`` given to every process.
+
+    What happens on each step, on every process:
+
+    - the batch (the same global batch on every process) is sharded: every array
+      argument with a leading axis is cut into ``world_size`` contiguous blocks of rows
+      (:func:`shard_rows`), and this process keeps block ``rank``; other arguments are
+      passed as they are;
+    - the loss and gradient of the block are computed by the step's own backend;
+    - loss and gradients cross to torch (DLPack where the library exports it, numpy
+      otherwise), are summed over processes, each weighted by its block's share of the
+      rows ``n_rank / n``, in one all-reduce per dtype, and come back as the backend's
+      arrays (same dtype and device). With a ``loss_fn`` that is a mean over the rows,
+      this is exactly the full-batch mean gradient (and loss), also when ``n`` is not a
+      multiple of the world size; ``uneven="error"`` refuses such batches instead;
+    - every process applies the same update, so the models stay identical.
+
+    Before the first step (``state.step == 0``) the processes check that they train
+    the same model structure on batches of the same size, and rank 0's parameters are
+    broadcast to all. Checkpoints are written by rank 0 only (:meth:`save_checkpoint`);
+    every process loads the same file with ``ad.load_checkpoint``.
+
+    ``backend``: ``"gloo"`` (CPU), ``"nccl"`` (CUDA GPUs) or ``"auto"`` (NCCL where
+    torch sees a GPU). ``timeout``: seconds a collective waits for a process that hangs
+    before raising :class:`~abstractdiff.DistributedError` (a process that exits is
+    usually noticed at once). ``close()`` (or a ``with`` block) leaves the process group
+    this object created.
+
+    Raises:
+        DistributedError: not launched as several processes, arguments disagreeing with
+            torchrun's environment, processes with different models or batch sizes, or a
+            failed collective (another process died or timed out).
+        BackendUnavailableError: torch (or its gloo / NCCL support) is not installed.
+
+    Example:
+        >>> import abstractdiff as ad
+        >>> ad.DataParallel.shard_rows(10, rank=1, world_size=4)
+        slice(3, 6, None)
+    """
+
+    shard_rows = staticmethod(shard_rows)
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        *,
+        timeout: float = 300.0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        init_method: str | None = None,
+        uneven: str = "weight",
+    ):
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+                and math.isfinite(timeout)):
+            raise InvalidArgumentError(f"DataParallel: timeout must be a number of seconds > 0, got {timeout!r}")
+        if uneven not in _UNEVEN:
+            raise InvalidArgumentError(f"DataParallel: uneven must be one of {_UNEVEN}, got {uneven!r}")
+        rank, world_size, init_method = _resolve(rank, world_size, init_method)
+        self.uneven = uneven
+        self._engine = _load_engine()(
+            backend=backend, timeout=float(timeout), rank=rank, world_size=world_size, init_method=init_method
+        )
+        self.rank: int = rank
+        self.world_size: int = world_size
+
+    def __repr__(self) -> str:
+        return f"DataParallel(rank={self.rank}, world_size={self.world_size}, backend={self._engine.backend!r})"
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the process that logs and writes checkpoints)."""
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ batches
+    def shard(self, batch: tuple) -> tuple[tuple, float, int]:
+        """``(this process's rows of batch, their share of the rows, the batch's rows)``."""
+        return shard_batch(batch, self.rank, self.world_size, self.uneven)
+
+    # ------------------------------------------------------------------ crossing
+    def _to_engine(self, arrays: list[Any]) -> list[Any]:
+        return [self._engine.to_tensor(a, lambda a=a: to_numpy(a)) for a in arrays]
+
+    def _from_engine(self, t: Any, like: Any) -> Any:
+        """``t`` as an array of ``like``'s library, dtype and device: DLPack, else numpy."""
+        owner = backend_for(like)
+        with optim.arithmetic_scope([like]):
+            if owner is not None and owner.is_native(t):  # the engine's own library
+                return owner.asarray_like(t, like)
+            namespace = getattr(like, "__array_namespace__", None)
+            if namespace is not None and _same_device(t, like):
+                try:
+                    out = namespace().from_dlpack(t)
+                except Exception:  # noqa: BLE001  alignment, an unsupported device or dtype: numpy below
+                    out = None
+                if out is not None and _same_dtype(out, like):
+                    return out
+            a = self._engine.to_numpy(t)
+            return a if owner is None else owner.asarray_like(a, like)
+
+    # ------------------------------------------------------------------ collectives
+    def average(self, loss: Any, grads: list[Any], share: float) -> tuple[Any, list[Any]]:
+        """``sum over processes of share * value`` for the loss and each gradient (``None``
+        gradients stay ``None``): the full-batch mean when ``share`` is each block's fraction."""
+        present = [g for g in grads if g is not None]
+        for i, a in enumerate([loss, *present]):
+            if not is_array(a) or not _is_float(a):
+                what = "the loss" if i == 0 else f"gradient {i - 1}"
+                got = type(a).__name__ if not is_array(a) else _dtype_name(a)
+                raise ArgumentTypeError(
+                    f"DataParallel: {what} is {got}, not a float array; only float losses and gradients "
+                    f"can be averaged across processes"
+                )
+        summed = self._engine.all_reduce_sum(self._to_engine([loss, *present]), float(share))
+        back = iter(self._from_engine(t, like) for t, like in zip(summed, [loss, *present]))
+        loss = next(back)
+        return loss, [None if g is None else next(back) for g in grads]
+
+    def broadcast(self, arrays: list[Any]) -> list[Any]:
+        """Rank 0's values of ``arrays`` (same structure on every process), as the arrays' own kind."""
+        if not arrays:
+            return []
+        out = self._engine.broadcast(self._to_engine(arrays))
+        return [self._from_engine(t, like) for t, like in zip(out, arrays)]
+
+    def check_same(self, what: str, description: Any) -> None:
+        """Raise :class:`DistributedError` on every process unless all describe the same ``what``."""
+        everyone = self._engine.all_gather_object(description)
+        for rank, other in enumerate(everyone):
+            if other != everyone[0]:
+                raise DistributedError(
+                    f"DataParallel: the processes disagree about {what}: rank 0 has {everyone[0]}, rank {rank} "
+                    f"has {other}; every process must run the same script on the same model and batch sizes"
+                )
+
+    def barrier(self) -> None:
+        """Wait until every process gets here (raises :class:`DistributedError` after ``timeout``)."""
+        self._engine.barrier()
+
+    def save_checkpoint(self, path: str | os.PathLike, state: optim.OptState, model: Any) -> None:
+        """``ad.save_checkpoint`` by rank 0 only, then a barrier: call it on every process.
+
+        When it returns, the file is complete, so any process may load it.
+        """
+        if self.is_main:
+            from ._checkpoint import save_checkpoint
+
+            save_checkpoint(path, state, model)
+        self.barrier()
+
+    def close(self) -> None:
+        """Leave the process group this object created (a no-op for one that existed before)."""
+        self._engine.close()
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _dtype_name(a: Any) -> str:
+    import autoray
+
+    return autoray.get_dtype_name(a)
+
+
+def _same_dtype(a: Any, b: Any) -> bool:
+    return _dtype_name(a) == _dtype_name(b)
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    try:
+        return tuple(a.__dlpack_device__()) == tuple(b.__dlpack_device__())
+    except Exception:  # noqa: BLE001  no DLPack device: go through numpy
+        return False
+
+
+def describe(tree: Any) -> list[Any]:
+    """Structure, shapes and dtypes of a model, comparable across processes."""
+    leaves, treedef = optree.tree_flatten(tree)
+    return [str(treedef), [(tuple(int(d) for d in a.shape), _dtype_name(a)) if is_array(a) else repr(a)
+                           for a in leaves]]

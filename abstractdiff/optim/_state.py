@@ -1,0 +1,471 @@
+"""The optimiser state: ``setup``, ``update``, and ``adjust``/``freeze``/``thaw`` on it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import optree
+
+from .._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    NonDifferentiableInputError,
+    ShapeMismatchError,
+)
+from .._tree import is_array, is_float_leaf, register_pytree_node
+from ._rules import Chain, Rule
+
+#: A key path into the model tree: a tuple of dict keys, sequence indices and attribute
+#: names as ``optree`` lists them (``("encoder", "w")``, ``("layers", 0)``); a single
+#: key stands for a path of one.
+KeyPath = tuple | str | int
+
+
+class Frozen:
+    """The key paths of the frozen subtrees of a state (see :func:`freeze`).
+
+    A pytree node without children: checkpoints and ``ad.to_numpy`` carry it in the tree
+    structure, not as a leaf, so the files' format is the same with or without it
+    (frozen paths, like the rule, come from ``like`` when a checkpoint is loaded).
+    """
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: tuple[tuple, ...] = ()):
+        self.paths = tuple(paths)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Frozen) and other.paths == self.paths
+
+    def __hash__(self) -> int:
+        return hash(self.paths)
+
+    def __repr__(self) -> str:
+        return f"Frozen({list(self.paths)!r})"
+
+    def covers(self, path: tuple) -> bool:
+        """Whether the leaf at ``path`` is inside a frozen subtree."""
+        return any(path[: len(p)] == p for p in self.paths)
+
+
+register_pytree_node(Frozen, lambda f: ((), f.paths), lambda paths, _: Frozen(paths))
+NOTHING_FROZEN = Frozen()
+
+
+class OptState(NamedTuple):
+    """What :func:`setup` returns and :func:`update` threads through training.
+
+    ``rule``: the rule; ``step``: how many updates were applied; ``tree``: the leaf states,
+    shaped like the model (explicit mode) or a list in ``ad.Params`` order (implicit mode);
+    ``implicit``: which of the two; ``frozen``: the subtrees :func:`freeze` excluded from
+    updates.  ``step`` is also the count a scheduled hyperparameter sees (the first
+    update is step 0).  It is a pytree (a namedtuple), so ``ad.to_numpy`` and
+    checkpoints see its arrays and the step counter.
+    """
+
+    rule: Rule
+    step: int
+    tree: Any
+    implicit: bool = False
+    frozen: Frozen = NOTHING_FROZEN
+
+
+# ------------------------------------------------------------------ variables
+# What counts as a variable is ad.Params' notion (abstractdiff._implicit): each library's
+# adapter recognises its own (is_variable, check_variable), found by the object's type.
+def _is_params(obj: Any) -> bool:
+    return bool(getattr(obj, "_abstractdiff_params", False))
+
+
+def _is_variable(leaf: Any) -> bool:
+    """A variable its library would accept as a parameter, whatever its dtype (a torch
+    tensor that does not require grad is an array, not a variable)."""
+    from .._implicit import variable_owner
+
+    owner = variable_owner(leaf)
+    if owner is None:
+        return False
+    try:
+        owner.check_variable(leaf, "leaf")
+    except NonDifferentiableInputError:  # an integer variable: still a variable
+        return True
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def holds_variables(model: Any) -> bool:
+    """Whether ``model`` is trained in place (implicit mode) rather than returned anew:
+    ``ad.Params``, a model of a library (``nn.Module``, Keras...), or a pytree with
+    variables among its leaves."""
+    from .._implicit import is_variable_or_model, model_variables
+
+    if _is_params(model):
+        return True
+    leaves = optree.tree_leaves(model, is_leaf=is_variable_or_model)
+    return any(_is_variable(v) or model_variables(v) is not None for v in leaves)
+
+
+def params_of(model: Any) -> Any:
+    """``ad.Params(model)`` (the model itself if it already is one)."""
+    from .._implicit import Params
+
+    return model if _is_params(model) else Params(model)
+
+
+def read(var: Any) -> Any:
+    """The current value of a variable, as an array outside any autodiff graph."""
+    from .._implicit import variable_owner
+
+    return variable_owner(var).read(var)
+
+
+def write(var: Any, value: Any) -> None:
+    """Assign ``value`` to a variable in place (same shape and dtype)."""
+    from .._implicit import variable_owner
+
+    variable_owner(var).write(var, value)
+
+
+# ------------------------------------------------------------------ arithmetic scope
+@contextlib.contextmanager
+def arithmetic_scope(leaves: Any) -> Iterator[None]:
+    """The scopes the arrays' libraries need for arithmetic outside the operators.
+
+    Each array's backend is found by its type and its ``scope`` hook entered (jax's x64
+    mode for float64 jax arrays, which would otherwise become float32); local, so no
+    library's global configuration is ever changed.  A no-op for numpy.
+    """
+    from .._registry import backend_for
+
+    owners: dict[int, tuple[Any, list]] = {}
+    for a in leaves:
+        if a is None or type(a) is np.ndarray or isinstance(a, (int, float)):
+            continue
+        b = backend_for(a)
+        if b is not None:
+            owners.setdefault(id(b), (b, []))[1].append(a)
+    with contextlib.ExitStack() as stack:
+        for b, arrays in owners.values():
+            stack.enter_context(b.scope(arrays))
+        yield
+
+
+x64_scope = arithmetic_scope  # its older name
+
+
+def _is_float_leaf(a: Any) -> bool:
+    # the shared classification, for arrays only: a Python float in a model tree is left
+    # as it is (a float stays a float, rather than becoming a 0-d array)
+    return is_array(a) and is_float_leaf(a)
+
+
+# ------------------------------------------------------------------ setup / update
+def setup(rule: Rule, model: Any) -> OptState:
+    """The initial optimiser state for ``model``: ``setup(rule, model) -> OptState``.
+
+    ``model`` is a pytree of arrays (explicit mode; float leaves get a state, other
+    leaves ``None``), or holds variables (implicit mode: an ``nn.Module``, a Keras
+    model, ``ad.variables(...)`` or ``ad.Params``).
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> state = optim.setup(optim.Momentum(lr=0.1), {"w": np.ones(2)})
+        >>> state, model = optim.update(state, {"w": np.ones(2)}, {"w": np.ones(2)})
+        >>> model["w"], state.step
+        (array([0.9, 0.9]), 1)
+    """
+    if not isinstance(rule, Rule):
+        raise ArgumentTypeError(
+            f"setup(rule, model): rule must be an optim rule such as optim.Adam(), got {type(rule).__name__}"
+        )
+    rule.at(0)  # a schedule that does not return a number fails here rather than mid-training
+    if holds_variables(model):
+        values = [read(v) for v in params_of(model)]
+        with arithmetic_scope(values):
+            return OptState(rule, 0, [rule.init(x) for x in values], True)
+    leaves, treedef = optree.tree_flatten(model)
+    with arithmetic_scope(leaves):
+        states = [rule.init(x) if _is_float_leaf(x) else None for x in leaves]
+    return OptState(rule, 0, optree.tree_unflatten(treedef, states), False)
+
+
+def _is_grads(obj: Any) -> bool:
+    from .._implicit import Grads
+
+    return isinstance(obj, Grads)
+
+
+def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
+    """Apply one step: ``update(state, model, grads) -> (state, model)``.
+
+    Explicit mode (``grads`` shaped like the model): pure, returns new arrays and leaves
+    the inputs untouched; ``None`` gradients (non-float leaves) leave the leaf as it is.
+    Implicit mode (``grads`` an ``ad.Grads``): computes every new value first, then
+    assigns them to the variables in place, and returns ``model`` itself.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> from abstractdiff import optim
+        >>> model = {"w": np.array([1.0, 2.0]), "n": 3}          # n: not a float leaf, left alone
+        >>> state = optim.setup(optim.Descent(0.5), model)
+        >>> state, new = optim.update(state, model, {"w": np.array([1.0, 1.0]), "n": None})
+        >>> new, model["w"], state.step                            # pure: model is unchanged
+        ({'w': array([0.5, 1.5]), 'n': 3}, array([1., 2.]), 1)
+    """
+    return _apply(state, model, grads)
+
+
+def _apply(
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None = None
+) -> tuple[OptState, Any]:
+    """:func:`update`, with ``check(new_values)`` called on the new parameter values after they
+    are computed and before anything is returned or assigned: it may raise, and then the
+    model (variables included) and the state are left exactly as they were."""
+    if not isinstance(state, OptState):
+        raise ArgumentTypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
+    if _is_grads(grads) or state.implicit:
+        if not (_is_grads(grads) and state.implicit):
+            raise ModeMismatchError(
+                "optim.update: the state was set up for "
+                + ("variables (implicit mode)" if state.implicit else "a pytree of arrays (explicit mode)")
+                + f" but got {'ad.Grads' if _is_grads(grads) else 'a pytree of gradients'}; set the state up "
+                "with optim.setup(rule, model) on the same kind of model the gradients come from"
+            )
+        return _update_implicit(state, model, grads, check)
+    return _update_explicit(state, model, grads, check)
+
+
+def _frozen_leaves(state: OptState, paths: list[tuple]) -> set[int]:
+    """The indices of the leaves (at ``paths``) inside a frozen subtree; every frozen path
+    must reach at least one leaf of the model."""
+    if not state.frozen.paths:
+        return set()
+    for f in state.frozen.paths:
+        if not any(p[: len(f)] == f for p in paths):
+            raise InvalidArgumentError(
+                f"optim.update: the frozen path {f!r} reaches no parameter of this model (a path into a rule's "
+                f"own state, or a model of another structure); thaw it with optim.thaw(state, {f!r})"
+            )
+    return {i for i, p in enumerate(paths) if state.frozen.covers(p)}
+
+
+def _step(
+    state: OptState, xs: list[Any], gs: list[Any], states: list[Any], live: list[int]
+) -> tuple[list[Any], list[Any]]:
+    """The new values and leaf states of the leaves ``live``; the others stay as they are
+    (same objects).  A ``None`` delta leaves the value as it is."""
+    rule = state.rule.at(state.step)  # scheduled hyperparameters as numbers (checked)
+    new_states, deltas = rule.apply_tree([states[i] for i in live], [xs[i] for i in live], [gs[i] for i in live])
+    values, out_states = list(xs), list(states)
+    for i, s, d in zip(live, new_states, deltas):
+        out_states[i] = s
+        if d is not None:
+            values[i] = xs[i] - d
+    return values, out_states
+
+
+def _update_explicit(
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
+) -> tuple[OptState, Any]:
+    paths, leaves, treedef = optree.tree_flatten_with_path(model)
+    try:
+        g_leaves = treedef.flatten_up_to(grads)
+    except (ValueError, TypeError) as err:
+        raise ShapeMismatchError(
+            f"optim.update: grads must have the structure of the model, {treedef}, but have "
+            f"{optree.tree_structure(grads)}"
+        ) from err
+    try:
+        s_leaves = treedef.flatten_up_to(state.tree)
+    except (ValueError, TypeError) as err:
+        raise ShapeMismatchError(
+            f"optim.update: the state was set up for a model of structure {optree.tree_structure(state.tree)}, "
+            f"not {treedef}; call optim.setup(rule, model) for this model"
+        ) from err
+    frozen = _frozen_leaves(state, paths)
+    live = [
+        i for i, (x, g) in enumerate(zip(leaves, g_leaves)) if g is not None and _is_float_leaf(x) and i not in frozen
+    ]
+    # the gradients too: numpy float64 leaves with jax float64 gradients compute in jax
+    with arithmetic_scope([*leaves, *g_leaves]):
+        new_leaves, new_states = _step(state, leaves, g_leaves, s_leaves, live)
+        if check is not None:
+            check([v for v, x in zip(new_leaves, leaves) if v is not x])
+    new_tree = optree.tree_unflatten(treedef, new_states)
+    return (
+        state._replace(step=state.step + 1, tree=new_tree, implicit=False),
+        optree.tree_unflatten(treedef, new_leaves),
+    )
+
+
+def _update_implicit(
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
+) -> tuple[OptState, Any]:
+    params = list(params_of(model))
+    if len(params) != len(state.tree):
+        raise ShapeMismatchError(
+            f"optim.update: the state holds {len(state.tree)} variables but the model has {len(params)}; "
+            f"call optim.setup(rule, model) for this model"
+        )
+    values = [read(v) for v in params]
+    gs = [grads[v] for v in params]
+    frozen = _frozen_leaves(state, [(i,) for i in range(len(params))])
+    live = [i for i, g in enumerate(gs) if g is not None and i not in frozen]
+    # Everything is computed before anything is assigned, so a failure leaves the
+    # variables as they were.  The gradients count for the scope too: ad.Variable boxes
+    # of numpy float64 with jax float64 gradients compute in jax.
+    with arithmetic_scope([*values, *gs]):
+        new_values, new_states = _step(state, values, gs, list(state.tree), live)
+        changed = [(v, new) for v, new, old in zip(params, new_values, values) if new is not old]
+        if check is not None:
+            check([new for _, new in changed])
+        for v, value in changed:
+            write(v, value)
+    return state._replace(step=state.step + 1, tree=new_states, implicit=True), model
+
+
+# ------------------------------------------------------------------ adjust / freeze / thaw
+def _hyperparameters(rule: Rule) -> set[str]:
+    if isinstance(rule, Chain):
+        return set().union(*(_hyperparameters(r) for r in rule.rules)) if rule.rules else set()
+    return {f.name for f in dataclasses.fields(rule)} if dataclasses.is_dataclass(rule) else set()
+
+
+def _adjusted(rule: Rule, changes: dict[str, Any]) -> Rule:
+    if isinstance(rule, Chain):
+        return Chain(tuple(_adjusted(r, changes) for r in rule.rules))
+    mine = {k: v for k, v in changes.items() if k in _hyperparameters(rule)}
+    return dataclasses.replace(rule, **mine) if mine else rule  # type: ignore[type-var]
+
+
+def adjust(state: OptState | Rule, **hyperparameters: Any) -> Any:
+    """Change hyperparameters: ``adjust(state, lr=1e-4, ...) -> state`` (Optimisers.jl ``adjust!``).
+
+    Returns a new state whose rule has the given values, in every rule of the tree that
+    has that hyperparameter (each rule of a :func:`chain`); the leaf states, the step
+    counter and the frozen paths are kept.  A value may be a schedule where the rule
+    allows one (``lr``).  ``adjust(rule, ...)`` on a rule returns the adjusted rule.
+
+    Raises:
+        InvalidArgumentError: no rule in the tree has one of the names, or a value is
+            out of its range (the rule's own check).
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> state = optim.setup(optim.chain(optim.ClipNorm(1.0), optim.Adam(1e-3)), np.zeros(2))
+        >>> optim.adjust(state, lr=1e-4).rule
+        Chain(rules=(ClipNorm(omega=1.0, p=2), Adam(lr=0.0001, betas=(0.9, 0.999), eps=1e-08)))
+    """
+    rule = state.rule if isinstance(state, OptState) else state
+    if not isinstance(rule, Rule):
+        raise ArgumentTypeError(
+            f"optim.adjust: the first argument must be an OptState or a rule, got {type(state).__name__}"
+        )
+    if not hyperparameters:
+        raise InvalidArgumentError("optim.adjust: name the hyperparameters to change, e.g. adjust(state, lr=1e-4)")
+    known = _hyperparameters(rule)
+    unknown = sorted(set(hyperparameters) - known)
+    if unknown:
+        raise InvalidArgumentError(
+            f"optim.adjust: no rule of {rule!r} has a hyperparameter named {', '.join(map(repr, unknown))}; "
+            f"its hyperparameters are {sorted(known)}"
+        )
+    new = _adjusted(rule, hyperparameters)
+    return state._replace(rule=new) if isinstance(state, OptState) else new
+
+
+def _key_path(fn: str, path: Any) -> tuple:
+    if isinstance(path, list):
+        path = tuple(path)
+    if not isinstance(path, tuple):
+        path = (path,)
+    return path
+
+
+def _leaf_paths(state: OptState) -> list[tuple]:
+    return optree.tree_flatten_with_path(state.tree, none_is_leaf=True)[0]
+
+
+def _check_path(fn: str, state: OptState, path: tuple) -> list[tuple]:
+    if not isinstance(state, OptState):
+        raise ArgumentTypeError(f"optim.{fn}: state must be the OptState from optim.setup, got {type(state).__name__}")
+    paths = _leaf_paths(state)
+    if not any(p[: len(path)] == path for p in paths):
+        tops = sorted({repr(p[0]) for p in paths if p})
+        raise InvalidArgumentError(
+            f"optim.{fn}: the model has no subtree at the path {path!r}; paths are tuples of dict keys and "
+            f"indices (as optree.tree_flatten_with_path lists them"
+            + (", in ad.Params order for variables" if state.implicit else "")
+            + f"), starting with one of {', '.join(tops) or 'nothing'}"
+        )
+    return paths
+
+
+def freeze(state: OptState, path: KeyPath = ()) -> OptState:
+    """Exclude a subtree from updates: ``freeze(state, path) -> state`` (Optimisers.jl ``freeze!``).
+
+    ``path`` is a key path into the model: a tuple of dict keys and sequence indices, as
+    ``optree.tree_flatten_with_path`` lists them (``("encoder",)``, ``("layers", 0,
+    "w")``); a single key means a path of one, ``()`` the whole model.  In implicit mode
+    the model is the list of its variables in ``ad.Params`` order: ``(i,)`` is the
+    i-th.  :func:`update` leaves every parameter under a frozen path exactly as it is
+    (the same array) and keeps its optimiser state; the step counter still advances.
+
+    Raises:
+        InvalidArgumentError: no subtree of the model is at ``path``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> model = {"enc": np.ones(2), "dec": np.ones(2)}
+        >>> state = optim.freeze(optim.setup(optim.Descent(0.5), model), "enc")
+        >>> state, new = optim.update(state, model, {"enc": np.ones(2), "dec": np.ones(2)})
+        >>> new
+        {'enc': array([1., 1.]), 'dec': array([0.5, 0.5])}
+    """
+    path = _key_path("freeze", path)
+    _check_path("freeze", state, path)
+    if state.frozen.covers(path):
+        return state
+    kept = tuple(p for p in state.frozen.paths if p[: len(path)] != path)
+    return state._replace(frozen=Frozen((*kept, path)))
+
+
+def thaw(state: OptState, path: KeyPath = ()) -> OptState:
+    """Undo :func:`freeze` for a subtree: ``thaw(state, path) -> state`` (Optimisers.jl ``thaw!``).
+
+    ``path`` as for :func:`freeze`; thawing part of a frozen subtree leaves the rest of
+    it frozen, and ``thaw(state)`` thaws everything.
+
+    Raises:
+        InvalidArgumentError: no subtree of the model is at ``path``.
+
+    Example:
+        >>> import numpy as np
+        >>> from abstractdiff import optim
+        >>> model = {"a": [np.ones(1), np.ones(1)], "b": np.ones(1)}
+        >>> state = optim.freeze(optim.setup(optim.Descent(0.5), model), ())
+        >>> optim.thaw(state, ("a", 1)).frozen
+        Frozen([('b',), ('a', 0)])
+    """
+    path = _key_path("thaw", path)
+    leaf_paths = _check_path("thaw", state, path)
+    kept: list[tuple] = []
+    for f in state.frozen.paths:
+        if f[: len(path)] == path:
+            continue  # inside the thawed subtree
+        if path[: len(f)] != f:
+            kept.append(f)  # elsewhere
+            continue
+        # f contains path: keep f's other branches frozen, level by level down to path
+        for k in range(len(f), len(path)):
+            children = dict.fromkeys(p[k] for p in leaf_paths if len(p) > k and p[:k] == path[:k])
+            kept += [(*path[:k], c) for c in children if c != path[k]]
+    return state._replace(frozen=Frozen(tuple(kept)))
