@@ -16,6 +16,7 @@ A backend has two sides, kept in separate classes so that a reader sees each at 
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -23,6 +24,7 @@ import optree
 
 from ._arrays import check_scalar, dtype_name, shape_of, size_of
 from ._batch import Batch
+from ._captures import capture_guard
 from ._derived import DerivedOperators, GradientDotTangent, GradientFunction
 from ._errors import (
     ArgumentTypeError,
@@ -218,25 +220,90 @@ class Backend(DerivedOperators):
             return PREPARED[operator](self, f, x, tangent, args)  # type: ignore[call-arg]
         return PREPARED[operator](self, f, x, args, has_aux)
 
-    def _unprepared(self, cls: type[Preparation], f: Callable[..., Any], x: Any, args: tuple, *extra: Any,
-             has_aux: bool = False) -> Any:
-        """The unprepared operator: prepare (through the plan cache) and call."""
+    def _unprepared(self, cls: type[Preparation], f: Callable[..., Any], x: Any, args: tuple, extra: tuple = (),
+                    has_aux: bool = False) -> Any:
+        """The unprepared operator: prepare (through the plan cache) and call.
+
+        Its first step is ``f``'s hot call, the prepared operator of the form (structure,
+        dtypes, static leaves) of its last inputs, any shape: one lookup by ``f``'s identity,
+        the guard's identity tests that ``f`` reads the values from its globals and closures
+        that it was traced with (on backends that reuse traces; see :mod:`._captures`), and
+        the prepared operator's own checks.  Anything else takes the plan cache
+        (:meth:`_new_hot_call`).
+        """
+        operator = (cls, True) if has_aux else cls
+        hot = self._plans.hot_calls.get((id(f), operator))
+        if hot is None:
+            return self._new_hot_call(cls, operator, f, x, args, extra, has_aux, None)
+        guard, call, _ = hot
+        if call is None:  # identities cannot vouch for what f reads: the plan cache on each call
+            return self._prepare_and_run(cls, f, x, args, extra, has_aux)
+        if guard is not None and not guard.unchanged(f):  # f reads other values: new plans, a new guard
+            return self._new_hot_call(cls, operator, f, x, args, extra, has_aux, None)
+        try:
+            return call(x, *extra, *args) if extra else call(x, *args)
+        except ShapeMismatchError:  # another form of inputs (or an error, which the plan cache raises again)
+            return self._new_hot_call(cls, operator, f, x, args, extra, has_aux, guard)
+
+    def _new_hot_call(self, cls: type[Preparation], operator: Any, f: Callable[..., Any], x: Any, args: tuple,
+                      extra: tuple, has_aux: bool, guard: Any) -> Any:
+        """The unprepared operator through the plan cache, which makes the prepared operator of
+        these inputs ``f``'s hot call; ``guard`` is ``f``'s guard where it still holds."""
+        if type(f) is not types.FunctionType:  # a bound method is a new object per access: nothing to key on
+            return self._prepare_and_run(cls, f, x, args, extra, has_aux)
+        if guard is None and self.reuses_traces:
+            guard = capture_guard(f)  # before the plan is made: a value changed meanwhile makes it stale
+            if guard is None:
+                self._plans.set_hot(f, operator, None, None)
+                return self._prepare_and_run(cls, f, x, args, extra, has_aux)
+        fn, xs, data = self.flatten(f, x, args, has_aux)
+        prep = fn._preparations.get((self.cache_key, cls, _signature_key(xs, data)))  # preparation()'s fast path
+        if prep is None:
+            prep = self.preparation(cls, fn, xs, data)
+            if not self.reuses_traces:  # a form seen once (a new static value per call) is not worth a hot call;
+                return prep.run(xs, data, *extra)  # where traces are reused, the hot call is the one compile
+        call = self._unprepared_call(cls, prep, x, args, xs, data, has_aux)
+        try:
+            out = call(x, *extra, *args)
+        except ShapeMismatchError:  # built for another form of these dtypes (or an error, raised again)
+            return prep.run(xs, data, *extra)
+        self._plans.set_hot(f, operator, guard, call)
+        return out
+
+    def _prepare_and_run(self, cls: type[Preparation], f: Callable[..., Any], x: Any, args: tuple, extra: tuple,
+                         has_aux: bool) -> Any:
+        """The unprepared operator through the plan cache alone."""
         fn, xs, data = self.flatten(f, x, args, has_aux)
         prep = fn._preparations.get((self.cache_key, cls, _signature_key(xs, data)))  # preparation()'s fast path
         if prep is None:
             prep = self.preparation(cls, fn, xs, data)
         return prep.run(xs, data, *extra)
 
+    def _unprepared_call(self, cls: type[Preparation], prep: Preparation, x: Any, args: tuple, xs: list,
+                         data: list, has_aux: bool) -> Callable[..., Any]:
+        """The call of ``prep``'s prepared operator for unprepared use (built once per preparation)."""
+        prepared = prep.unprepared_call
+        if prepared is None:
+            fn, tangent = prep.fn, cls.operator in TANGENT_OPERATORS
+
+            def replan(x: Any, *rest: Any) -> Any:
+                extra, args = (rest[:1], rest[1:]) if tangent else ((), rest)
+                return self._prepare_and_run(cls, fn.f, x, args, extra, has_aux)
+
+            prepared = PREPARED[cls.operator].for_unprepared(self, prep, x, args, xs, data, has_aux, replan)
+            prep.unprepared_call = prepared
+        return prepared.call
+
     # -------------------------------------------------------- public operators
     def value_and_gradient(
         self, f: Callable[..., Any], x: PyTree, *args: Any, has_aux: bool = False
     ) -> tuple[Any, PyTree]:
         """``(y, g)``, or ``((y, aux), g)`` with ``has_aux``; see :func:`abstractdiff.value_and_gradient`."""
-        return self._unprepared(PREPARATIONS["value_and_gradient"], f, x, args, has_aux=has_aux)
+        return self._unprepared(PREPARATIONS["value_and_gradient"], f, x, args, (), has_aux)
 
     def gradient(self, f: Callable[..., Any], x: PyTree, *args: Any, has_aux: bool = False) -> Any:
         """``g``, or ``(g, aux)`` with ``has_aux``; see :func:`abstractdiff.gradient`."""
-        return self._unprepared(PREPARATIONS["gradient"], f, x, args, has_aux=has_aux)
+        return self._unprepared(PREPARATIONS["gradient"], f, x, args, (), has_aux)
 
     def value_and_pullback(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, Callable]:
         """``(y, vjp)`` with ``vjp(dy) -> dx``; see :func:`abstractdiff.value_and_pullback`."""
@@ -268,7 +335,7 @@ class Backend(DerivedOperators):
 
     def hvp(self, f: Callable[..., Any], x: PyTree, v: PyTree, *args: Any) -> PyTree:
         """Hessian-vector product shaped like ``x``; see :func:`abstractdiff.hvp`."""
-        return self._unprepared(PREPARATIONS["hvp"], f, x, args, v)
+        return self._unprepared(PREPARATIONS["hvp"], f, x, args, (v,))
 
     def value_and_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any]:
         """``(y, dy/dx)`` for scalar ``x``; see :func:`abstractdiff.value_and_derivative`."""
@@ -292,7 +359,7 @@ class Backend(DerivedOperators):
 
     def gradient_and_hvp(self, f: Callable[..., Any], x: PyTree, v: PyTree, *args: Any) -> tuple[PyTree, PyTree]:
         """``(g, H @ v)``, both shaped like ``x``; see :func:`abstractdiff.gradient_and_hvp`."""
-        return self._unprepared(PREPARATIONS["gradient_and_hvp"], f, x, args, v)
+        return self._unprepared(PREPARATIONS["gradient_and_hvp"], f, x, args, (v,))
 
 
 #: The core's public operator functions and methods, for adapters of libraries that

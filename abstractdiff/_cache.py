@@ -67,8 +67,9 @@ class WeakLRU(Generic[V]):
     def get(self, objects: tuple[Any, ...], extra: Hashable = None) -> V | None:
         """The value stored for these objects (and ``extra``), or ``None``; marks it recently used."""
         # on the hot path of every unprepared operator: no lock for a lookup (one dict
-        # access is atomic), and recency only matters when the cache is bounded
-        key = (tuple(map(id, objects)), extra)
+        # access is atomic), and recency only matters when the cache is bounded; one
+        # object (the commonest key) without map's overhead
+        key = ((id(objects[0]),) if len(objects) == 1 else tuple(map(id, objects)), extra)
         entry = self._entries.get(key)
         if entry is None:
             return None

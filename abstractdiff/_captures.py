@@ -22,17 +22,24 @@ What is compared:
 Not seen: values reached through attributes (``self.scale``, ``config.lr``) or inside
 mutable containers (a dict's entries), and large numpy arrays changed in place.  Pass
 such values to ``f`` as arguments: arguments are traced inputs, never frozen.
+
+Computing the key walks the function's code, globals and closures (a few microseconds).
+:func:`capture_guard` records, from the same walk, where each value was read and which
+object was found there: while every place still holds the same object, the key is the
+same, and checking that is a handful of identity tests.  An unprepared call checks its
+function's guard, and walks again only when it fails.
 """
 
 from __future__ import annotations
 
 import functools
 import types
+import weakref
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["CONTENT_LIMIT", "captures"]
+__all__ = ["CONTENT_LIMIT", "CaptureGuard", "capture_guard", "captures"]
 
 #: numpy arrays up to this many elements are compared by content, larger ones by identity.
 CONTENT_LIMIT = 4096
@@ -40,7 +47,14 @@ _MAX_DEPTH = 3
 _SCALARS = (bool, int, str, bytes, complex, type(None))
 
 
-def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module: str | None = None) -> Any:
+def _array_key(value: np.ndarray) -> tuple:
+    return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+
+
+def _value_key(
+    value: Any, alive: list[Any], depth: int, seen: set[int], module: str | None = None,
+    guard: CaptureGuard | None = None,
+) -> Any:
     kind = type(value)
     if kind is types.ModuleType:  # the commonest global (np, jnp, torch): one type test
         return None
@@ -53,9 +67,12 @@ def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module:
     if isinstance(value, np.generic):
         return (type(value), value.tobytes())
     if isinstance(value, tuple) and depth < _MAX_DEPTH:
-        return (tuple, tuple(_value_key(v, alive, depth + 1, seen, module) for v in value))
+        return (tuple, tuple(_value_key(v, alive, depth + 1, seen, module, guard) for v in value))
     if isinstance(value, np.ndarray) and value.size <= CONTENT_LIMIT and value.dtype != object:
-        return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+        key = _array_key(value)
+        if guard is not None:
+            guard._add_array(value, key)
+        return key
     if isinstance(value, types.ModuleType):
         return None  # module attributes are not followed (see the module docstring)
     if (
@@ -63,7 +80,7 @@ def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module:
         and depth < _MAX_DEPTH
         and getattr(value, "__module__", None) == module  # the user's own helpers; not a library's internals
     ):
-        return ("function", id(value), _function_key(value, alive, depth + 1, seen))
+        return ("function", id(value), _function_key(value, alive, depth + 1, seen, guard))
     alive.append(value)
     return ("id", id(value))
 
@@ -71,12 +88,19 @@ def _value_key(value: Any, alive: list[Any], depth: int, seen: set[int], module:
 _NAMES: dict[types.CodeType, tuple[str, ...]] = {}
 
 
+#: The instructions that read a global name (``co_names`` also holds attribute names:
+#: ``anp.sum`` reads the global ``anp`` only).
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
 def _code_names(code: types.CodeType) -> tuple[str, ...]:
     """The global names a code object (and the lambdas and comprehensions inside it) may read,
     sorted; computed once per code object."""
     names = _NAMES.get(code)
     if names is None:
-        found = set(code.co_names)
+        import dis  # imported when a function is first keyed, not with abstractdiff
+
+        found = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 found |= set(_code_names(const))
@@ -87,19 +111,21 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
     return names
 
 
-def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple:
+def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int], guard: CaptureGuard | None = None) -> tuple:
     if id(f) in seen:
         return ()
     seen.add(id(f))
     if type(f) is types.FunctionType:  # the common case first: one type test
         pass
     elif isinstance(f, functools.partial):
+        if guard is not None:
+            guard.refused = True  # its keywords are a mutable dict: no identity tells them unchanged
         module = getattr(f.func, "__module__", None)
         parts = (
-            tuple(_value_key(a, alive, depth, seen, module) for a in f.args),
-            tuple((k, _value_key(v, alive, depth, seen, module)) for k, v in sorted(f.keywords.items())),
+            tuple(_value_key(a, alive, depth, seen, module, guard) for a in f.args),
+            tuple((k, _value_key(v, alive, depth, seen, module, guard)) for k, v in sorted(f.keywords.items())),
         )
-        return (parts, _function_key(f.func, alive, depth, seen))
+        return (parts, _function_key(f.func, alive, depth, seen, guard))
     else:
         if isinstance(f, types.MethodType):
             f = f.__func__
@@ -107,17 +133,18 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int]) -> tuple
             return ()
     globals_ = f.__globals__
     module = f.__module__
-    out = [
-        (name, _value_key(globals_[name], alive, depth, seen, module))
-        for name in _code_names(f.__code__)
-        if name in globals_
-    ]
+    names = _code_names(f.__code__)
+    if guard is not None:
+        guard._add_function(f, depth == 0, names)
+    out = [(name, _value_key(globals_[name], alive, depth, seen, module, guard)) for name in names if name in globals_]
     for i, cell in enumerate(f.__closure__ or ()):
         try:
             contents = cell.cell_contents
         except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+            if guard is not None:
+                guard.refused = True  # reading it raises: kept out of the guard's identity tests
             continue
-        out.append((i, _value_key(contents, alive, depth, seen, module)))
+        out.append((i, _value_key(contents, alive, depth, seen, module, guard)))
     return tuple(out)
 
 
@@ -144,3 +171,130 @@ def captures(f: Callable[..., Any]) -> tuple[tuple, list[Any]]:
             break
         f = wrapped
     return _function_key(f, alive, 0, set()), alive
+
+
+# ----------------------------------------------------------------------- guards
+_ABSENT = object()  # what reading a global name that is not defined gives
+
+
+class CaptureGuard:
+    """A cheap test that :func:`captures` of a function would return the key it returned
+    when the guard was built (by :func:`capture_guard`).
+
+    The key is a function of the objects the walk reads (each function's code, what the
+    global names and closure cells it reads hold, the same for each helper it follows) and
+    of the bytes of the small numpy arrays among them.  The guard keeps, per function, where
+    it read and the identities it found; when every place holds the same object again (and
+    each small array the same bytes), the walk would read the same objects: the same key.
+    The objects are held weakly where possible, so the guard keeps nothing of the user's
+    alive; one that dies makes the guard stale (its id may be reused).
+    """
+
+    __slots__ = ("_code", "_get", "_reads", "_rest", "_held", "refused", "stale", "__weakref__")
+
+    def __init__(self) -> None:
+        # The function itself: its code, its globals' get, and (global name, identity of
+        # its value) for each name its code reads.
+        self._code: Any = None
+        self._get: Callable[[str, Any], Any] | None = None
+        self._reads: tuple[tuple[str, int], ...] = ()
+        # The rarer reads, in one list so that a function without them pays one test:
+        # ("cells", identities of the contents) of the function's closure cells, ("helper",
+        # weak reference, code, get, reads, cell contents' identities) of each helper it
+        # follows, ("array", weak reference, key) of each small numpy array.  Cells are read
+        # through their functions, never held (a cell may hold the function itself).
+        self._rest: list[tuple] = []
+        self._held: list[Any] = []  # weak references (and objects that have none) that keep ids unique
+        self.refused = False  # the walk met something identities cannot vouch for
+        self.stale = False
+
+    def _expire(self, _ref: Any) -> None:
+        self.stale = True
+
+    def _hold(self, obj: Any) -> Any:
+        try:
+            ref = weakref.ref(obj, self._expire)
+        except TypeError:  # numbers, strings, tuples: immutable, held as they are
+            self._held.append(obj)
+            return lambda: obj
+        self._held.append(ref)
+        return ref
+
+    def _add_function(self, f: Any, top: bool, names: tuple[str, ...]) -> None:
+        get, cells = f.__globals__.get, f.__closure__ or ()
+        values = [get(name, _ABSENT) for name in names]
+        try:
+            contents = [cell.cell_contents for cell in cells]
+        except ValueError:  # an empty cell: the walk skips it, and it may be filled later
+            self.refused = True
+            return
+        for value in (*values, *contents):
+            if value is not _ABSENT:
+                self._hold(value)
+        reads, cell_ids = tuple(zip(names, map(id, values))), list(map(id, contents))
+        if top:  # the caller passes the function itself to unchanged()
+            self._code, self._get, self._reads = f.__code__, get, reads
+            if cells:
+                self._rest.append(("cells", cell_ids))
+        else:
+            self._rest.append(("helper", self._hold(f), f.__code__, get, reads, cell_ids))
+
+    def _add_array(self, value: np.ndarray, key: tuple) -> None:
+        self._rest.append(("array", self._hold(value), key))
+
+    def unchanged(self, f: Callable[..., Any]) -> bool:
+        """Whether ``captures(f)`` would return the key it returned when this guard was built;
+        on the hot path of every unprepared call, so written for the common case: one
+        function reading a few globals."""
+        if self.stale or f.__code__ is not self._code:
+            return False
+        get = self._get
+        for name, ident in self._reads:
+            if id(get(name, _ABSENT)) != ident:  # type: ignore[misc]
+                return False
+        return not self._rest or self._rest_unchanged(f)
+
+    def _rest_unchanged(self, f: Callable[..., Any]) -> bool:
+        try:
+            for kind, *what in self._rest:
+                if kind == "cells":
+                    if _cell_ids(f) != what[0]:
+                        return False
+                elif kind == "helper":
+                    ref, code, get, reads, cell_ids = what
+                    helper = ref()
+                    if helper.__code__ is not code or _cell_ids(helper) != cell_ids:
+                        return False
+                    if any(id(get(name, _ABSENT)) != ident for name, ident in reads):
+                        return False
+                elif _array_key(what[0]()) != what[1]:
+                    return False
+        except ValueError:  # a closure cell emptied since
+            return False
+        return True
+
+
+def _cell_ids(f: Any) -> list[int]:
+    return [id(cell.cell_contents) for cell in f.__closure__ or ()]
+
+
+def capture_guard(f: Callable[..., Any]) -> CaptureGuard | None:
+    """A :class:`CaptureGuard` of a plain function ``f``, or ``None`` where identities cannot
+    vouch for its key (an empty closure cell, which may be filled later; a callable that is
+    not a plain function, or one that names the function it wraps).
+
+    Example:
+        >>> SCALE = 2.0
+        >>> f = lambda x: SCALE * x
+        >>> guard = capture_guard(f)
+        >>> guard.unchanged(f)
+        True
+        >>> SCALE = 5.0
+        >>> guard.unchanged(f)
+        False
+    """
+    if type(f) is not types.FunctionType or getattr(f, "__abstractdiff_wrapped__", None) is not None:
+        return None
+    guard = CaptureGuard()
+    _function_key(f, [], 0, set(), guard)
+    return None if guard.refused or guard._code is None else guard

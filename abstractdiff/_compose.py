@@ -8,21 +8,32 @@ through the registry (:func:`abstractdiff._registry.backend_for`), and hands tha
 library a function whose value, pullback and pushforward ``backend`` computes, through
 the caller's own custom-derivative mechanism: the caller adapter's
 :meth:`~abstractdiff._hooks.AdapterHooks.foreign_function` hook (``torch.autograd.Function``,
-``jax.custom_vjp`` with ``jax.pure_callback``, ``tf.custom_gradient`` with
+``jax.custom_jvp`` with ``jax.pure_callback``, ``tf.custom_gradient`` with
 ``tf.py_function``, autograd's ``primitive``...).
 
 The boundary is one flat vector each way, in numpy: the caller ravels and concatenates
 ``x``'s float leaves with its own (differentiable) operations, the foreign function maps
 that vector to the raveled outputs, and the caller splits and reshapes them again.  So
 each adapter's hook handles one array in and one array out, and pytrees, shapes and
-dtypes are the core's business.  Arrays cross to numpy without a copy where the library
-allows it on CPU (torch, jax, numpy itself).
+dtypes are the core's business.
+
+The vector crosses without a copy where both libraries allow it (on the CPU): the caller
+hands a numpy view of its memory; the kernel's backend imports it by DLPack
+(:meth:`~abstractdiff._hooks.AdapterHooks.from_dlpack`) and exports its output as a numpy
+view (:meth:`~abstractdiff._hooks.AdapterHooks.numpy_view`, read-only where the kernel's
+arrays are immutable), which the caller wraps without a copy where it can.  A ``g`` of one
+float leaf in and one out can so share the caller's memory end to end; more leaves are
+concatenated (one copy each way), and the copies that remain are each adapter's business
+(``benchmarks/compose.py`` measures every pair).
 
 * Outside any differentiation (numpy inputs, or a library's plain arrays), ``g(x)`` is
   ``f(x)`` converted to and from the caller's array type.
 * Called by ``backend``'s own library, ``g`` is ``f`` itself: the library differentiates
   it natively (nesting included).
-* A second derivative through the boundary is not supported: the adapters raise
+* Second derivatives through the boundary are the kernel's (:meth:`ForeignKernel.second_vjp`,
+  :meth:`ForeignKernel.second_jvp`), for callers whose mechanism can carry them (torch,
+  autograd, MLX, paddle, PyTensor); a derivative the boundary does not carry (a third one,
+  or a second one for jax and tensorflow callers) raises
   :class:`~abstractdiff.CompositionError` rather than return a silently zero derivative.
 """
 
@@ -46,9 +57,11 @@ class ForeignKernel:
     """``f`` at one input structure, as numpy functions of one flat vector.
 
     What a caller adapter's ``foreign_function`` hook calls: :meth:`value`, :meth:`vjp`
-    and :meth:`jvp` take and return 1-D numpy arrays; :attr:`in_size`, :attr:`in_dtype`,
-    :attr:`out_size` and :attr:`out_dtype` describe them (known before any call, as
-    ``jax.pure_callback`` needs).  The kernel ``backend`` computes every derivative.
+    and :meth:`jvp` take 1-D numpy arrays (or any 1-D array exporting ``__dlpack__``) and
+    return 1-D numpy arrays, which may share memory with the kernel's arrays, and be
+    read-only; :attr:`in_size`, :attr:`in_dtype`, :attr:`out_size` and :attr:`out_dtype`
+    describe them (known before any call, as ``jax.pure_callback`` needs).  The kernel
+    ``backend`` computes every derivative.
     """
 
     def __init__(self, owner: DifferentiateWith, x: Any, args: tuple, in_dtype: str):
@@ -78,6 +91,11 @@ class ForeignKernel:
         self.out_size = sum(self.out_sizes)
         self.out_dtypes = [_dtype_text(leaf) for leaf in out_leaves]
         self.out_dtype = np.result_type(*self.out_dtypes).name if out_leaves else in_dtype
+        # one object for the derivatives: the backend's plans are keyed on the function (a
+        # bound method is a new one per access, and jax would compile the pullback per call)
+        self._flat_fn = self._flat_out
+        self._weighted_fn = self._weighted_out
+        self._along_fn = self._along
 
     # ------------------------------------------------------------- the kernel side
     def _rebuild(self, flat: Any) -> Any:
@@ -86,7 +104,8 @@ class ForeignKernel:
         leaves = list(self.template)
         start = 0
         for i, shape, size in zip(self.float_index, self.in_shapes, self.in_sizes):
-            leaves[i] = a.do("reshape", flat[start : start + size], shape)
+            part = flat if size == self.in_size else flat[start : start + size]  # a jax slice copies
+            leaves[i] = part if shape == (size,) else a.do("reshape", part, shape)
             start += size
         return optree.tree_unflatten(self.x_treedef, leaves)
 
@@ -97,47 +116,87 @@ class ForeignKernel:
         """The kernel's outputs raveled into one vector (in the kernel backend's arrays)."""
         a = ar()
         leaves = optree.tree_leaves(self._tree_out(flat))
-        parts = [a.do("reshape", leaf, (-1,)) for leaf in leaves]
+        parts = [leaf if getattr(leaf, "ndim", None) == 1 else a.do("reshape", leaf, (-1,)) for leaf in leaves]
         if len(parts) == 1:
             return parts[0]
         return a.do("concatenate", [a.do("astype", p, self.out_dtype) if _dtype_text(p) != self.out_dtype else p
                                     for p in parts])
 
-    def _numpy(self, a: Any, dtype: str) -> np.ndarray:
-        out = np.asarray(self.backend.to_numpy(a))
-        if out.dtype != dtype:
-            return out.astype(dtype)
-        # the caller's library may wrap it without a copy (torch warns on read-only memory)
-        return out if out.flags.writeable else out.copy()
+    def _native(self, a: Any, dtype: str) -> Any:
+        """The caller's flat vector as the kernel backend's array, sharing its memory where
+        the backend can (DLPack); ``dtype`` is the boundary's."""
+        if not hasattr(a, "__dlpack__"):  # a list, a number: what np.asarray took before
+            a = np.asarray(a, dtype)
+        elif isinstance(a, np.ndarray) and a.dtype != dtype:
+            a = a.astype(dtype)
+        out = self.backend.from_dlpack(a)
+        return out if dtype_name(out) == dtype else self.backend.cast(out, dtype)
 
-    def value(self, x: np.ndarray) -> np.ndarray:
+    def _numpy(self, a: Any, dtype: str) -> np.ndarray:
+        """The kernel backend's flat result as numpy, its memory where the backend allows."""
+        out = np.asarray(self.backend.numpy_view(a))
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    def value(self, x: Any) -> np.ndarray:
         """``f`` at the flat input ``x``: the flat output."""
-        flat = self.backend.asarray(np.asarray(x, self.in_dtype))
+        flat = self._native(x, self.in_dtype)
         with self.backend.scope([flat]):  # jax computes in float64 only in its x64 scope
             return self._numpy(self._flat_out(flat), self.out_dtype)
 
-    def vjp(self, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    def vjp(self, x: Any, dy: Any) -> np.ndarray:
         """The pullback of ``dy`` (flat, like the output) at ``x``: flat, like the input."""
         from ._operators import value_and_pullback
 
-        _, pullback = value_and_pullback(self.backend, self._flat_out, np.asarray(x, self.in_dtype))
-        return self._numpy(pullback(np.asarray(dy, self.out_dtype)), self.in_dtype)
+        _, pullback = value_and_pullback(self.backend, self._flat_fn, self._native(x, self.in_dtype))
+        return self._numpy(pullback(self._native(dy, self.out_dtype)), self.in_dtype)
 
-    def jvp(self, x: np.ndarray, dx: np.ndarray) -> np.ndarray:
+    def jvp(self, x: Any, dx: Any) -> np.ndarray:
         """The pushforward of ``dx`` (flat, like the input) at ``x``: flat, like the output."""
         from ._operators import value_and_pushforward
 
-        _, pushforward = value_and_pushforward(self.backend, self._flat_out, np.asarray(x, self.in_dtype))
-        return self._numpy(pushforward(np.asarray(dx, self.in_dtype)), self.out_dtype)
+        _, pushforward = value_and_pushforward(self.backend, self._flat_fn, self._native(x, self.in_dtype))
+        return self._numpy(pushforward(self._native(dx, self.in_dtype)), self.out_dtype)
 
-    def value_and_vjp(self, x: np.ndarray) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    def value_and_vjp(self, x: Any) -> tuple[np.ndarray, Callable[[Any], np.ndarray]]:
         """The flat output and its pullback, from one forward pass (for callers that keep it)."""
         from ._operators import value_and_pullback
 
-        y, pullback = value_and_pullback(self.backend, self._flat_out, np.asarray(x, self.in_dtype))
+        y, pullback = value_and_pullback(self.backend, self._flat_fn, self._native(x, self.in_dtype))
         return self._numpy(y, self.out_dtype), lambda dy: self._numpy(
-            pullback(np.asarray(dy, self.out_dtype)), self.in_dtype
+            pullback(self._native(dy, self.out_dtype)), self.in_dtype
         )
+
+    # second derivatives, for a caller that differentiates the pullback or the pushforward
+    def _weighted_out(self, flat: Any, dy: Any) -> Any:
+        return ar().do("sum", self._flat_out(flat) * dy)
+
+    def _along(self, t: Any, flat: Any, u: Any) -> Any:
+        return self._flat_out(flat + t * u)
+
+    def second_vjp(self, x: Any, dy: Any, v: Any) -> np.ndarray:
+        """``d/dx <dy, f'(x) v>`` (flat, like the input): the Hessian of ``<dy, f>`` at ``x``
+        times ``v``.  The derivative of the pullback ``x -> f'(x)^T dy`` along ``v``, and
+        the pullback of ``dy`` through the derivative of the pushforward ``x -> f'(x) v``."""
+        from ._operators import hvp
+
+        flat = self._native(x, self.in_dtype)
+        with self.backend.scope([flat]):
+            out = hvp(self.backend, self._weighted_fn, flat, self._native(v, self.in_dtype),
+                      self._native(dy, self.out_dtype))
+            return self._numpy(out, self.in_dtype)
+
+    def second_jvp(self, x: Any, v: Any, w: Any) -> np.ndarray:
+        """``f''(x)[v, w]`` (flat, like the output): the derivative of the pushforward
+        ``x -> f'(x) v`` along ``w``.  By polarisation, from two second derivatives of
+        ``t -> f(x + t u)`` at 0 (``u = v + w`` and ``v - w``)."""
+        from ._operators import second_derivative
+
+        flat, v, w = (self._native(a, self.in_dtype) for a in (x, v, w))
+        zero = self.backend.asarray(np.zeros((), self.in_dtype))
+        with self.backend.scope([flat]):
+            plus = second_derivative(self.backend, self._along_fn, zero, flat, v + w)
+            minus = second_derivative(self.backend, self._along_fn, zero, flat, v - w)
+            return self._numpy((plus - minus) / 4, self.out_dtype)
 
     # ------------------------------------------------------------- the caller side
     def split(self, flat: Any) -> Any:
@@ -146,7 +205,8 @@ class ForeignKernel:
         leaves = []
         start = 0
         for shape, size, dtype in zip(self.out_shapes, self.out_sizes, self.out_dtypes):
-            leaf = a.do("reshape", flat[start : start + size], shape)
+            part = flat if size == self.out_size else flat[start : start + size]  # a slice's derivative costs
+            leaf = a.do("reshape", part, shape)
             if dtype != self.out_dtype:
                 leaf = a.do("astype", leaf, dtype)
             leaves.append(leaf)
@@ -227,10 +287,11 @@ class DifferentiateWith:
         (in_dtype,) = dtypes
         kernel = self.kernel(x, args, in_dtype)
         if caller is None:  # numpy (or a library no backend claims): values only
-            flat = np.concatenate([np.reshape(np.asarray(v, in_dtype), (-1,)) for v in floats])
+            flats = [np.reshape(np.asarray(v, in_dtype), (-1,)) for v in floats]
+            flat = flats[0] if len(flats) == 1 else np.concatenate(flats)  # one leaf: no copy
             return optree.tree_map(np.asarray, _split_numpy(kernel, kernel.value(flat)))
         a = ar()
-        flat = floats[0].reshape((-1,)) if len(floats) == 1 else a.do(
+        flat = a.do("reshape", floats[0], (-1,)) if len(floats) == 1 else a.do(
             "concatenate", [a.do("reshape", v, (-1,)) for v in floats]
         )
         foreign = caller.foreign_function(kernel)

@@ -271,12 +271,15 @@ class DerivedOperators(AdapterHooks):
     def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
         """A prepared operator's whole call, ``(x, *args) -> result`` (``(x, v, *args)`` for
         ``hvp`` and ``gradient_and_hvp``), run by the library's own dispatcher, or ``None``
-        (the default: the core checks the inputs against ``prepared.signature`` in Python,
-        then runs ``prepared.preparation``).  An adapter whose library compares structure,
-        shapes and dtypes itself on every call (jax's ``jit``) returns a function that
-        does the core's check and run only when the library traces, that is for the first
-        call and for every call whose signature changed: then the check raises
-        :class:`~abstractdiff.ShapeMismatchError` as the core's would.
+        (the default: ``prepared.check_and_run``, the core's check of the inputs against
+        ``prepared.signature`` in Python, then ``prepared.preparation``).  An adapter whose
+        library compares structure, shapes and dtypes itself on every call (jax's ``jit``)
+        returns a function whose traced body is ``prepared.run_traced``, so that the core's
+        check and run happen only when the library traces, that is for the first call and
+        for every call whose signature changed: then the check raises
+        :class:`~abstractdiff.ShapeMismatchError` as the core's would (the prepared operator
+        an unprepared operator keeps for itself plans the new inputs instead); inputs it
+        does not hand to its library go to ``prepared.check_and_run``.
         """
         return None
 

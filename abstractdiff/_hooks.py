@@ -58,6 +58,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     ),
     "arrays": (
         "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",
+        "from_dlpack", "numpy_view",
     ),
     "devices": ("devices", "normalise_device"),
     "pytrees": ("is_pytree_node",),
@@ -193,6 +194,29 @@ class AdapterHooks:
     def to_numpy(self, a: Any) -> np.ndarray:
         """A native array (or variable) as a numpy array, outside any autodiff graph."""
         return np.asarray(a)
+
+    def from_dlpack(self, a: Any) -> Any:
+        """``a`` (a numpy array, or another library's array exporting ``__dlpack__``) as a
+        native array, dtype unchanged, sharing ``a``'s memory where the library imports it
+        by DLPack on ``self.device``, and a copy otherwise (read-only or misaligned memory).
+
+        How a kernel of :func:`abstractdiff.differentiate_with` receives its input.  The
+        array is used before the call returns: no :meth:`snapshot` is needed.
+        """
+        if not isinstance(a, np.ndarray):
+            try:
+                a = np.from_dlpack(a)
+            except (AttributeError, BufferError, RuntimeError, TypeError):
+                a = np.asarray(a)
+        return self.from_numpy(a)
+
+    def numpy_view(self, a: Any) -> np.ndarray:
+        """A native array as numpy sharing its memory where the library allows it (on the
+        CPU), read-only where the library's arrays are immutable; a copy otherwise.
+
+        How a kernel of :func:`abstractdiff.differentiate_with` hands its output back.
+        """
+        return self.to_numpy(a)
 
     def cast(self, a: Any, dtype: str) -> Any:
         """Native array ``a`` converted to dtype ``dtype`` (a name such as ``"float32"``)."""

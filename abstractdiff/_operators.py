@@ -55,7 +55,9 @@ def gradient(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any, has_au
         >>> np.round(g, 6)
         array([2., 4.])
     """
-    return _b(b).gradient(f, x, *args, has_aux=has_aux)
+    b = _b(b)
+    # the hot path of training loops: no keyword argument to pass on when there is none (~0.2 us)
+    return b.gradient(f, x, *args, has_aux=True) if has_aux else b.gradient(f, x, *args)
 
 
 def value_and_gradient(
@@ -73,7 +75,9 @@ def value_and_gradient(
         >>> float(y), np.round(g, 6)
         (6.0, array([6., 6.]))
     """
-    return _b(b).value_and_gradient(f, x, *args, has_aux=has_aux)
+    b = _b(b)
+    # the hot path of training loops: no keyword argument to pass on when there is none (~0.2 us)
+    return b.value_and_gradient(f, x, *args, has_aux=True) if has_aux else b.value_and_gradient(f, x, *args)
 
 
 def value_and_pullback(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Callable]:

@@ -61,6 +61,9 @@ class Preparation:
     def __init__(self, backend: Any, fn: FlatFunction, xs: list, data: list):
         self.backend = backend
         self.fn = fn
+        #: the prepared operator the unprepared one calls for inputs of this preparation's
+        #: form (built on first use by Backend._unprepared)
+        self.unprepared_call: Prepared | None = None
         self.setup(xs, data)
 
     def setup(self, xs: list, data: list) -> None:
@@ -311,9 +314,14 @@ class Signature:
 
     :meth:`check` flattens a new ``(x, args)``, compares it and returns the native
     leaves, or raises :class:`~abstractdiff.ShapeMismatchError` naming what changed.
+    With ``any_shape`` the shapes are free (the signature of an unprepared operator's
+    preparation, which serves every shape).
     """
 
-    def __init__(self, operator: str, backend: Any, fn: FlatFunction, x: Any, args: tuple, xs: list, data: list):
+    def __init__(
+        self, operator: str, backend: Any, fn: FlatFunction, x: Any, args: tuple, xs: list, data: list,
+        any_shape: bool = False,
+    ):
         self.operator = operator
         self.backend = backend
         self.fn = fn
@@ -325,9 +333,10 @@ class Signature:
         self.x_signature = [_signature(v) for v in xs]
         self.data_signature = [_signature(v) for v in data]
         # The backend's own shape and dtype objects, compared as they are on the hot path;
-        # the normalised signatures above only decide (and explain) a mismatch.
-        self.x_raw = [(v.shape, v.dtype) for v in xs]
-        self.data_raw = [(v.shape, v.dtype) for v in data]
+        # the normalised signatures above only decide (and explain) a mismatch.  A shape of
+        # None is free.
+        self.x_raw = [(None if any_shape else v.shape, v.dtype) for v in xs]
+        self.data_raw = [(None if any_shape else v.shape, v.dtype) for v in data]
 
     def mismatch(self, what: str, expected: Any, got: Any) -> ShapeMismatchError:
         return ShapeMismatchError(
@@ -345,7 +354,7 @@ class Signature:
         for i, (shape, dtype), sig in zip(index, raw, signature):
             leaf = leaves[i]
             try:
-                same = leaf.shape == shape and leaf.dtype == dtype
+                same = (shape is None or leaf.shape == shape) and leaf.dtype == dtype
             except Exception:  # a Python float, or dtypes of two libraries that do not compare
                 same = False
             if not same:
@@ -355,6 +364,8 @@ class Signature:
                     got = ((), "float64")
                 else:
                     got = type(leaf).__name__
+                if shape is None and isinstance(got, tuple):
+                    got = (sig[0], got[1])  # any shape: the dtype decides
                 if got != sig:
                     raise self.mismatch(f"{self._where(i)} of shape/dtype", sig, got)
             out.append(convert(leaf))
@@ -366,8 +377,8 @@ class Signature:
             # the hot path, f(x, *arrays): no flattening, one shape and dtype per array
             ((shape, dtype),) = self.x_raw
             try:
-                same = x.shape == shape and x.dtype == dtype and all(
-                    type(a) in _LEAF_ARRAY_TYPES and a.shape == s and a.dtype == d
+                same = (shape is None or x.shape == shape) and x.dtype == dtype and all(
+                    type(a) in _LEAF_ARRAY_TYPES and (s is None or a.shape == s) and a.dtype == d
                     for a, (s, d) in zip(args, self.data_raw)
                 )
             except Exception:  # dtypes of two libraries that do not compare
@@ -398,27 +409,74 @@ class Prepared:
 
     Holds the operator's :class:`Preparation` and the :class:`Signature` it checks on
     every call.  Built by :func:`prepare_gradient` and friends (``b.prepare(operator,
-    f, x, args)``).
+    f, x, args)``), and by the unprepared operators for themselves (:meth:`for_unprepared`).
     """
 
     operator: ClassVar[str] = "operator"
 
     def __init__(self, b: Any, f: Callable[..., Any], x: Any, args: tuple, has_aux: bool = False):
-        self.backend = _backend(b)
-        self.has_aux = has_aux
-        fn, xs, data = self.backend.flatten(f, x, args, has_aux)
-        self.fn: FlatFunction = fn
+        backend = _backend(b)
+        fn, xs, data = backend.flatten(f, x, args, has_aux)
+        self._setup(backend, backend.preparation(PREPARATIONS[self.operator], fn, xs, data), x, args, xs, data,
+                    has_aux, None)
         self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
-        self.signature = Signature(self.operator, self.backend, fn, x, args, xs, data)
-        self.preparation = self.backend.preparation(PREPARATIONS[self.operator], fn, xs, data)
+
+    @classmethod
+    def for_unprepared(
+        cls, backend: Any, preparation: Preparation, x: Any, args: tuple, xs: list, data: list, has_aux: bool,
+        replan: Callable[..., Any],
+    ) -> Prepared:
+        """The prepared operator an unprepared operator calls while ``f``'s inputs keep the
+        form of ``(x, args)``: the same checks but any shape (a preparation serves every
+        shape), ``ShapeMismatchError`` for another form, which the unprepared operator then
+        plans and prepares itself.  Where the library traces the call (jax's jit), the trace
+        runs ``replan(x, *args)``, the unprepared operator's own route, which plans any
+        form instead of refusing it.  It does not keep ``f`` alive (the caller holds it)."""
+        self = cls.__new__(cls)
+        # The check compares the caller's own arrays (numpy int64 data stays int64 there, where
+        # jax without x64 converts it to int32), so that inputs of this form pass again.
+        fn, leaves = preparation.fn, optree.tree_leaves(x) + optree.tree_leaves(args)
+        given = (
+            [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.diff_index, xs)],
+            [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.data_index, data)],
+        )
+        self._setup(backend, preparation, x, args, xs, data, has_aux, replan, given)
+        self.f = None
+        return self
+
+    def _setup(
+        self, backend: Any, preparation: Preparation, x: Any, args: tuple, xs: list, data: list, has_aux: bool,
+        replan: Callable[..., Any] | None, given: tuple[list, list] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.has_aux = has_aux
+        self.fn: FlatFunction = preparation.fn
+        self.preparation = preparation
+        self.signature = Signature(
+            self.operator, backend, self.fn, x, args, *(given or (xs, data)), any_shape=replan is not None
+        )
+        self._replan = replan
         # the library's own dispatcher doing the checks, where the adapter offers one
-        self._direct = self.backend.direct_prepared(self, xs, data)
+        self._direct = backend.direct_prepared(self, xs, data)
+        #: the whole call: the adapter's direct one, else the check in Python and the run
+        self.call: Callable[..., Any] = self._direct if self._direct is not None else self.check_and_run
 
     def __call__(self, x: Any, *args: Any) -> Any:
-        if self._direct is not None:
-            return self._direct(x, *args)
+        return self.call(x, *args)
+
+    def check_and_run(self, x: Any, *args: Any) -> Any:
+        """The call in Python: ``(x, args)`` checked against the signature, then the preparation run."""
         xs, data = self.signature.check(x, args)
         return self.preparation.run(xs, data)
+
+    def run_traced(self, x: Any, *rest: Any) -> Any:
+        """What an adapter's compiled call (:meth:`~abstractdiff.Backend.direct_prepared`) runs
+        when its library traces: :meth:`check_and_run`, which refuses inputs of another
+        form; for an unprepared operator's own prepared operator, the unprepared route,
+        which plans any form (the library compiles the call once per form it traces)."""
+        if self._replan is None:
+            return self.check_and_run(x, *rest)
+        return self._replan(x, *rest)
 
     def __repr__(self) -> str:
         return f"<prepared {self.operator} of {self.fn!r} on {self.backend!r}>"
@@ -518,8 +576,9 @@ class PreparedHvp(Prepared):
         super().__init__(b, f, x, args)
 
     def __call__(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
-        if self._direct is not None:
-            return self._direct(x, v, *args)
+        return self.call(x, v, *args)
+
+    def check_and_run(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
         xs, data = self.signature.check(x, args)
         return self.preparation.run(xs, data, v)
 

@@ -493,7 +493,17 @@ class PlanCache:
     def __init__(self) -> None:
         # function (and owner of a bound method), held weakly -> that function's plans
         self._functions: WeakLRU[OrderedDict[Any, FlatFunction]] = WeakLRU()
+        #: (id of a plain function, operator) -> ``(guard, call, ref)``, its hot call (see
+        #: Backend._unprepared).  Every unprepared call reads it first, so it is a plain dict
+        #: (a WeakLRU lookup costs a method call more); :meth:`set_hot` makes an entry leave
+        #: with its function, as WeakLRU does, so that a recycled id never finds it.
+        self.hot_calls: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
         self._lock = threading.Lock()
+
+    def set_hot(self, f: Callable[..., Any], operator: Hashable, guard: Any, call: Any) -> None:
+        """Keep ``f``'s hot call for ``operator`` while ``f`` lives."""
+        key, table = (id(f), operator), self.hot_calls
+        table[key] = (guard, call, weakref.ref(f, lambda _ref: table.pop(key, None)))
 
     def lookup(self, f: Callable[..., Any], key: Any) -> FlatFunction | None:
         plans = self._functions.get(_function_identity(f))
@@ -528,6 +538,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self._functions.clear()
+        self.hot_calls.clear()
 
 
 def flatten_call(

@@ -150,15 +150,30 @@ class AutogradBackend(Backend):
 
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # autograd primitives with the kernel's pullback (defvjp) and pushforward (defjvp);
-        # differentiating either of those again raises (their vjp/jvp makers are only
-        # called then), never a silent zero.
+        # autograd primitives with the kernel's pullback (defvjp) and pushforward (defjvp).
+        # Those two are primitives too, whose derivatives are the kernel's second
+        # derivatives (with respect to the cotangent or tangent: each other; with respect
+        # to x: kernel.second_vjp / second_jvp).  A third derivative raises, never a
+        # silent zero.
         def refuse(*_: Any) -> Any:
             raise CompositionError(
-                f"a second derivative through differentiate_with's boundary (autograd code calling a "
-                f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or "
-                f"write the kernel with autograd.numpy (an autograd kernel nests natively)"
+                f"a third derivative through differentiate_with's boundary (autograd code calling a "
+                f"{kernel.backend.name} kernel) is not supported: the boundary carries first and second "
+                f"derivatives; write the kernel with autograd.numpy to nest further (an autograd kernel "
+                f"nests natively)"
             )
+
+        @autograd.extend.primitive
+        def second_vjp(x: np.ndarray, dy: np.ndarray, v: np.ndarray) -> np.ndarray:
+            return kernel.second_vjp(x, dy, v)
+
+        @autograd.extend.primitive
+        def second_jvp(x: np.ndarray, v: np.ndarray, w: np.ndarray) -> np.ndarray:
+            return kernel.second_jvp(x, v, w)
+
+        for op in (second_vjp, second_jvp):
+            autograd.extend.defvjp(op, refuse, refuse, refuse)
+            autograd.extend.defjvp(op, refuse, refuse, refuse)
 
         @autograd.extend.primitive
         def pullback(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
@@ -168,9 +183,26 @@ class AutogradBackend(Backend):
         def pushforward(x: np.ndarray, dx: np.ndarray) -> np.ndarray:
             return kernel.jvp(x, dx)
 
-        for op in (pullback, pushforward):
-            autograd.extend.defvjp(op, refuse, refuse)
-            autograd.extend.defjvp(op, refuse, refuse)
+        autograd.extend.defvjp(
+            pullback,
+            lambda ans, x, dy: lambda u: second_vjp(x, dy, u),
+            lambda ans, x, dy: lambda u: pushforward(x, u),
+        )
+        autograd.extend.defjvp(
+            pullback,
+            lambda x_dot, ans, x, dy: second_vjp(x, dy, x_dot),
+            lambda dy_dot, ans, x, dy: pullback(x, dy_dot),
+        )
+        autograd.extend.defvjp(
+            pushforward,
+            lambda ans, x, dx: lambda w: second_vjp(x, w, dx),
+            lambda ans, x, dx: lambda w: pullback(x, w),
+        )
+        autograd.extend.defjvp(
+            pushforward,
+            lambda x_dot, ans, x, dx: second_jvp(x, dx, x_dot),
+            lambda dx_dot, ans, x, dx: pushforward(x, dx_dot),
+        )
 
         @autograd.extend.primitive
         def foreign(x: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from abstractdiff._errors import ArgumentTypeError, CompositionError, DeviceErro
 from abstractdiff._tree import HasArtefacts, _static_key
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
+_WIDE_SET = frozenset(_WIDE)
 # jax raises these when Python needs a concrete value (bool(), int(), float()) of a tracer.
 _CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
 
@@ -40,8 +41,8 @@ class _Static:
 
     __slots__ = ("value", "key")
 
-    def __init__(self, value: Any):
-        self.value, self.key = value, _static_key(value)
+    def __init__(self, value: Any, key: Any):
+        self.value, self.key = value, key
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -154,6 +155,16 @@ class JaxBackend(Backend):
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)
+
+    def from_dlpack(self, a: Any) -> Any:
+        # shares memory aligned to 64 bytes (torch's allocations; numpy's large ones are 16)
+        # and copies the rest; float64 stays float64 in the x64 scope.  numpy will not export
+        # read-only memory by the DLPack version jax asks for: that copies too.
+        with self._scope(getattr(a, "dtype", None) in _WIDE):
+            try:
+                return jax.dlpack.from_dlpack(a, device=self._device)
+            except (BufferError, TypeError, RuntimeError, ValueError):
+                return super().from_dlpack(a)
 
     def cast(self, a: Any, dtype: str) -> Any:
         with self._scope(np.dtype(dtype) in _WIDE or _wants_x64([a])):
@@ -307,22 +318,31 @@ class JaxBackend(Backend):
 
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # The kernel's value and pullback through jax.pure_callback (so it works under jit;
-        # vmap, as in jacrev, calls it once per element) in a jax.custom_vjp.  Forward mode
-        # is jax's own refusal (a custom_vjp function has no jvp: jax has no public way to
-        # give one function both rules that vmap can batch), and differentiating the
-        # pullback again raises: never a silent zero.
-        out_struct = jax.ShapeDtypeStruct((kernel.out_size,), kernel.out_dtype)
-        in_struct = jax.ShapeDtypeStruct((kernel.in_size,), kernel.in_dtype)
+        # The kernel's value through jax.pure_callback (so it works under jit; vmap calls
+        # it once per element) in a jax.custom_jvp.  The jvp rule's tangent must be a map
+        # jax can transpose (reverse mode) and batch (jacrev, jacfwd, vmap of grad):
+        # lax.custom_linear_solve with an identity matvec is exactly "a linear map with a
+        # custom transpose" (linear_call has no batching rule), so its solve is the
+        # kernel's pushforward and its transpose_solve the kernel's pullback, both
+        # callbacks.  A non-square Jacobian is padded to a square one with zeros.  A
+        # second derivative reaches _refuse_second_order, never a silent zero (jax treats
+        # the solves' closed-over x as constant).
+        n, m = kernel.in_size, kernel.out_size
+        k = max(n, m)
+        out_struct = jax.ShapeDtypeStruct((m,), kernel.out_dtype)
+        in_struct = jax.ShapeDtypeStruct((n,), kernel.in_dtype)
 
         def callback(fun: Callable, shape: Any, *arrays: Any) -> Any:
             return jax.pure_callback(fun, shape, *arrays, vmap_method="sequential")
 
-        @jax.custom_jvp
-        def pullback(x: Any, dy: Any) -> Any:
-            return callback(lambda a, b: kernel.vjp(np.asarray(a), np.asarray(b)), in_struct, x, dy)
+        def pad(v: Any, size: int) -> Any:
+            return v if size == k else jnp.pad(v, (0, k - size))
 
-        @pullback.defjvp
+        @jax.custom_jvp
+        def refuse_second_order(x: Any) -> Any:
+            return x
+
+        @refuse_second_order.defjvp
         def _(primals: tuple, tangents: tuple) -> Any:
             raise CompositionError(
                 f"a second derivative through differentiate_with's boundary (jax code calling a "
@@ -330,11 +350,26 @@ class JaxBackend(Backend):
                 f"write the kernel in jax (a jax kernel nests natively)"
             )
 
-        @jax.custom_vjp
+        @jax.custom_jvp
         def foreign(x: Any) -> Any:
-            return callback(lambda a: kernel.value(np.asarray(a)), out_struct, x)
+            return callback(kernel.value, out_struct, x)
 
-        foreign.defvjp(lambda x: (foreign(x), x), lambda x, dy: (pullback(x, dy),))
+        @foreign.defjvp
+        def _(primals: tuple, tangents: tuple) -> Any:
+            (x,), (dx,) = primals, tangents
+            x_const = refuse_second_order(x)
+
+            def pushforward(_: Any, t: Any) -> Any:
+                jvp = callback(kernel.jvp, out_struct, x_const, t[:n])
+                return pad(jvp, m)
+
+            def pullback(_: Any, ct: Any) -> Any:
+                vjp = callback(kernel.vjp, in_struct, x_const, ct[:m])
+                return pad(vjp, n)
+
+            dy = jax.lax.custom_linear_solve(lambda v: v, pad(dx, n), pushforward, pullback)
+            return foreign(x), dy[:m]
+
         return foreign
 
     # ---------------------------------------------- fast derived operators
@@ -386,19 +421,21 @@ class JaxBackend(Backend):
 
     def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
         # jit's C++ dispatch flattens the user's pytree, compares structure, shapes and
-        # dtypes with its cache and runs the executable: no Python per call.  The body runs
-        # only when jit traces, that is at the first call and at any call whose signature
-        # differs from the preparation's, where the core's check raises ShapeMismatchError.
-        # Static leaves are jit's static arguments, compared by the core's exact key (so
-        # -0.0 is not 0.0); only as whole arguments (a static leaf inside x or inside a
-        # container argument would be traced).  Not for results holding closures or aux
-        # (which jit cannot return), or with a scope to enter (x64, a device).
-        signature, preparation, fn = prepared.signature, prepared.preparation, prepared.fn
-        with_tangent = prepared.operator in ("hvp", "gradient_and_hvp")
-        offset = 1 if with_tangent else 0  # arguments start after v in (x, v, *args)
+        # dtypes with its cache and runs the executable: no Python per call.  The body
+        # (prepared.run_traced) runs only when jit traces, that is at the first call and at
+        # any call whose structure, shapes or dtypes differ from those traced, where the
+        # core's check raises ShapeMismatchError (an unprepared operator's prepared operator
+        # plans the new inputs instead).  Static leaves are jit's static arguments, compared
+        # here by the core's exact key (so -0.0 is not 0.0) before jit sees them, so that a
+        # changed one never costs a trace; only as whole arguments (a static leaf inside x or
+        # inside a container argument would be traced).  Not for results holding closures or
+        # aux (which jit cannot return), or with a scope to enter (x64, a device).
+        signature, fn = prepared.signature, prepared.fn
+        offset = 1 if prepared.operator in ("hvp", "gradient_and_hvp") else 0  # arguments start after v
         n_args = fn.args_treedef.num_children
         whole_args = fn.args_treedef.num_leaves == n_args  # every argument is one leaf
-        static = sorted(i - fn.n_x_leaves + offset for i, _, _ in signature.static)
+        static_keys = sorted((i - fn.n_x_leaves + offset, key) for i, _, key in signature.static)
+        static = [i for i, _ in static_keys]
         if (
             not self.compile
             or prepared.operator not in _DIRECT_OPERATORS
@@ -410,30 +447,36 @@ class JaxBackend(Backend):
             return None
         n_rest = offset + n_args
         dynamic = [i for i in range(n_rest) if i not in static]
+        run_traced, checked = prepared.run_traced, prepared.check_and_run
 
-        def call(x: Any, *rest: Any) -> Any:
-            rest = tuple(a.value if type(a) is _Static else a for a in rest)
-            extra, args = (rest[:1], rest[1:]) if with_tangent else ((), rest)
-            xs, data = signature.check(x, args)
-            return preparation.run(xs, data, *extra)
+        def body(x: Any, *rest: Any) -> Any:
+            return run_traced(x, *(a.value if type(a) is _Static else a for a in rest))
 
-        jitted = self._direct(jax.jit(call, static_argnums=tuple(1 + i for i in static)), False)
+        jitted = jax.jit(body, static_argnums=tuple(1 + i for i in static))
         leaves = jax.tree_util.tree_leaves
 
         def direct(x: Any, *rest: Any) -> Any:
-            # jax arrays only: jit would silently cast other inputs (numpy float64 outside
-            # x64 mode becomes float32) where the check must refuse them; a tracer (the
-            # prepared operator inside the user's own jit) takes the core's route too
-            if len(rest) != n_rest:
-                return call(x, *rest)  # the core's check says what is wrong
-            if not (
-                (type(x) is _ARRAY and all(type(rest[i]) is _ARRAY for i in dynamic))
-                or all(type(a) is _ARRAY for a in leaves((x, [rest[i] for i in dynamic])))
+            # jax arrays only, none float64: jit would silently cast other inputs (numpy
+            # float64, or a float64 jax array, outside x64 mode becomes float32) where the
+            # check must refuse them; a tracer (the prepared operator inside the user's own
+            # jit) takes the checked route too, as does a changed static leaf
+            if len(rest) != n_rest or not (
+                (type(x) is _ARRAY and x.dtype not in _WIDE_SET and (not dynamic or all(
+                    type(rest[i]) is _ARRAY and rest[i].dtype not in _WIDE_SET for i in dynamic)))
+                or all(type(a) is _ARRAY and a.dtype not in _WIDE_SET for a in leaves((x, [rest[i] for i in dynamic])))
             ):
-                return call(x, *rest)
+                return checked(x, *rest)
             if static:
-                rest = tuple(_Static(a) if i in static else a for i, a in enumerate(rest))
-            return jitted(x, *rest)
+                keys = [_static_key(rest[i]) for i in static]
+                if any(key != expected for key, (_, expected) in zip(keys, static_keys)):
+                    return checked(x, *rest)  # the core's check says which (or plans the new value)
+                rest = list(rest)
+                for i, key in zip(static, keys):
+                    rest[i] = _Static(rest[i], key)
+            try:
+                return jitted(x, *rest)
+            except _CONCRETE_ERRORS as err:
+                raise TracedControlFlowError(self._control_flow_message(err)) from err
 
         return direct
 

@@ -126,6 +126,14 @@ def _evaluated(*trees: Any) -> None:
     it evaluates, and the outer derivative silently becomes zero.  ``mx.async_eval`` refuses
     to run there, which is how we know; the outer transform evaluates its own outputs.
     """
+    if _FOREIGN_KERNELS[0]:
+        # A foreign kernel evaluates its inputs, so they are "available": mx.async_eval
+        # detaches such arrays while it walks the graph, even when it then refuses, and
+        # the refusal itself would cut the outer graph.  Ask without side effects instead
+        # (slower: only once a process has built a foreign kernel for mlx code).
+        if not _in_transform():
+            mx.eval(*trees)
+        return
     try:
         mx.async_eval(*trees)
     except ValueError as err:
@@ -133,6 +141,33 @@ def _evaluated(*trees: Any) -> None:
             raise
         return
     mx.eval(*trees)
+
+
+#: whether differentiate_with has built a foreign kernel for mlx code in this process
+_FOREIGN_KERNELS = [False]
+
+
+def _in_transform() -> bool:
+    """Whether an MLX transform is tracing, with no side effect on the graph: an array made
+    inside a custom vjp rule (where MLX keeps the graph) is a tracer exactly while a
+    transform traces, and mx.async_eval refuses a tracer."""
+    marked = []
+
+    def rule(_primals: Any, cotangent: Any, _output: Any) -> Any:
+        marked.append(mx.zeros((1,)) + 0)
+        return cotangent
+
+    probe = mx.custom_function(lambda z: z)
+    probe.vjp(rule)
+    zero = mx.array(0.0)
+    mx.vjp(probe, [zero], [zero])
+    try:
+        mx.async_eval(marked[0])
+    except ValueError as err:
+        if _IN_TRANSFORM not in str(err):
+            raise
+        return True
+    return False
 
 
 def _gpu_count() -> int:
@@ -397,6 +432,15 @@ class MLXBackend(Backend):
     def to_numpy(self, a: Any) -> np.ndarray:
         return _to_numpy(a.value if isinstance(a, MLXParameter) else a)
 
+    def numpy_view(self, a: Any) -> np.ndarray:
+        # the array's own memory (np.array copies), read-only: MLX arrays are immutable.
+        # (mx.from_dlpack copies CPU memory, and float64 to float32: from_numpy stays.)
+        if a.dtype == mx.bfloat16:
+            return _to_numpy(a)
+        view = np.array(a, copy=False)
+        view.flags.writeable = False
+        return view
+
     def cast(self, a: Any, dtype: str) -> Any:
         return a.astype(_mx_dtype(dtype))
 
@@ -437,45 +481,10 @@ class MLXBackend(Backend):
 
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # mx.custom_function with the kernel's pullback (vjp) and pushforward (jvp), each
-        # itself a custom function whose own derivatives raise: never a silent zero.  The
-        # kernel needs concrete values, which MLX has under mx.grad/vjp/jvp but not under
-        # mx.vmap or mx.compile (the backend's Jacobians and Hessians batch with mx.vmap).
-        def numpy_of(a: Any) -> np.ndarray:
-            try:
-                return np.array(a)
-            except ValueError as err:
-                if _EVAL_IN_TRANSFORM not in str(err):
-                    raise
-                raise CompositionError(
-                    f"mlx code calling a {kernel.backend.name} kernel through differentiate_with inside "
-                    f"mx.vmap or mx.compile is not supported (the kernel needs concrete values; the mlx "
-                    f"backend's jacobian and hessian batch with mx.vmap, and a second derivative through the "
-                    f"boundary is not supported either): use gradient, pullback or pushforward, with "
-                    f"compile=False"
-                ) from err
-
-        def refuse(*_: Any) -> Any:
-            raise CompositionError(
-                f"a second derivative through differentiate_with's boundary (mlx code calling a "
-                f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or "
-                f"write the kernel with mlx (an mlx kernel nests natively)"
-            )
-
-        def op(compute: Callable[..., np.ndarray], dtype: str) -> Any:
-            fun = mx.custom_function(lambda *xs: mx.array(compute(*map(numpy_of, xs)), dtype=_mx_dtype(dtype)))
-            fun.vjp(refuse)
-            fun.jvp(refuse)
-            return fun
-
-        pullback = op(kernel.vjp, kernel.in_dtype)
-        pushforward = op(kernel.jvp, kernel.out_dtype)
-        foreign = mx.custom_function(
-            lambda x: mx.array(kernel.value(numpy_of(x)), dtype=_mx_dtype(kernel.out_dtype))
-        )
-        foreign.vjp(lambda x, dy, y: pullback(_one(x), _one(dy)))
-        foreign.jvp(lambda x, dx: pushforward(_one(x), _one(dx)))
-        return foreign
+        # mx.custom_function for the kernel's value, pullback, pushforward and second
+        # derivatives, each differentiated by the next; a third derivative raises
+        _FOREIGN_KERNELS[0] = True
+        return _foreign(kernel)
 
     # --------------------------------------------------------------- variables
     def is_variable(self, v: Any) -> bool:
@@ -683,8 +692,8 @@ class MLXBackend(Backend):
         try:
             y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
         except CompositionError:
-            # f calls another library's kernel (ad.differentiate_with), which needs concrete
-            # values that mx.vmap does not give: the core's route, one pullback per row
+            # f calls another library's kernel (ad.differentiate_with) where it gets no
+            # concrete values (the backend's compile=True): the core's route, one pullback per row
             return super().flat_jacobian(fn, xs, data)
         _evaluated(y, jacs, xs, data)
         return y, list(jacs)
@@ -770,6 +779,133 @@ def _hvp(traced: _Traced, reverse: bool) -> Callable:
         return mx.jvp(lambda *xs: grad(list(xs)), xs, ts)[1]
 
     return hvp
+
+
+# ---------------------------------------------------------------------------------------
+# Composition (ad.differentiate_with): another library's kernel as MLX custom functions.
+# The kernel needs concrete values, which MLX has under mx.grad/vjp/jvp.  Under mx.vmap (the
+# backend's jacobian and hessian batch tangents and cotangents over a basis) the batched
+# arguments are traced; every kernel operation is linear in all but x, so a traced one is
+# applied through the operation's matrix in it, one kernel call per basis vector.  A traced
+# x (mx.compile, or an mx.vmap over x itself) raises.
+def _foreign(kernel: Any) -> Any:
+    """The kernel's value as an MLX function.  Its derivative rules are the kernel's pullback
+    and pushforward, custom functions too, whose rules are the kernel's second derivatives
+    (with respect to the cotangent or tangent: each other; with respect to x:
+    ``kernel.second_vjp`` and ``kernel.second_jvp``), whose rules raise."""
+
+    def refuse(*_: Any) -> Any:
+        raise CompositionError(
+            f"a third derivative through differentiate_with's boundary (mlx code calling a "
+            f"{kernel.backend.name} kernel) is not supported: the boundary carries first and second "
+            f"derivatives; write the kernel with mlx to nest further (an mlx kernel nests natively)"
+        )
+
+    second_vjp = _foreign_op(kernel, kernel.second_vjp, kernel.in_dtype)
+    second_jvp = _foreign_op(kernel, kernel.second_jvp, kernel.out_dtype)
+    for op in (second_vjp, second_jvp):
+        op.vjp(refuse)
+        op.jvp(refuse)
+    pullback = _foreign_op(kernel, kernel.vjp, kernel.in_dtype)
+    pushforward = _foreign_op(kernel, kernel.jvp, kernel.out_dtype)
+
+    def pullback_vjp(primals: tuple, u: Any, _: Any) -> tuple:
+        x, dy = primals
+        return second_vjp(x, dy, u), pushforward(x, u)
+
+    def pullback_jvp(primals: tuple, tangents: tuple) -> Any:
+        (x, dy), (x_dot, dy_dot) = primals, tangents
+        return _add(None if dy_dot is None else pullback(x, dy_dot),
+                    None if x_dot is None else second_vjp(x, dy, x_dot))
+
+    def pushforward_vjp(primals: tuple, w: Any, _: Any) -> tuple:
+        x, dx = primals
+        return second_vjp(x, w, dx), pullback(x, w)
+
+    def pushforward_jvp(primals: tuple, tangents: tuple) -> Any:
+        (x, dx), (x_dot, dx_dot) = primals, tangents
+        return _add(None if dx_dot is None else pushforward(x, dx_dot),
+                    None if x_dot is None else second_jvp(x, dx, x_dot))
+
+    pullback.vjp(pullback_vjp)
+    pullback.jvp(pullback_jvp)
+    pushforward.vjp(pushforward_vjp)
+    pushforward.jvp(pushforward_jvp)
+    value = _foreign_op(kernel, kernel.value, kernel.out_dtype)
+    value.vjp(lambda x, dy, _: pullback(_one(x), _one(dy)))
+    value.jvp(lambda x, dx: pushforward(_one(x), _one(dx)))
+    return value
+
+
+def _foreign_op(kernel: Any, compute: Callable[..., np.ndarray], dtype: str) -> Any:
+    """``compute(x, *rest)``, a kernel method of flat numpy vectors linear in each of
+    ``rest``, as an MLX custom function returning ``dtype`` (its derivative rules set by
+    the caller).  Under mx.vmap it runs once per batch element: MLX's own batching would
+    replace it by the graph of its value, and a nested transform would differentiate that
+    graph, silently, instead of calling the rules."""
+    mx_dtype = _mx_dtype(dtype)
+
+    def call(*args: Any) -> Any:
+        values = _concrete(args)
+        if values[0] is None:
+            raise CompositionError(
+                f"mlx code calling a {kernel.backend.name} kernel through differentiate_with inside "
+                f"mx.compile, or inside an mx.vmap over the kernel's input (per-sample derivatives), is "
+                f"not supported: the kernel needs concrete values of its input (the mlx backend's "
+                f"jacobian and hessian, whose mx.vmap runs over tangents, work); use compile=False, and "
+                f"a loop over the samples"
+            )
+        return _through_traced(compute, values, args, mx_dtype)
+
+    op = mx.custom_function(call)
+
+    def batched(inputs: Any, axes: Any) -> tuple:
+        inputs, axes = (v if isinstance(v, (list, tuple)) else (v,) for v in (inputs, axes))
+        moved = [a if d is None else mx.moveaxis(a, d, 0) for a, d in zip(inputs, axes)]
+        size = next(a.shape[0] for a, d in zip(moved, axes) if d is not None)
+        return mx.stack([op(*[a if d is None else a[k] for a, d in zip(moved, axes)]) for k in range(size)]), 0
+
+    op.vmap(batched)
+    return op
+
+
+def _concrete(arrays: tuple) -> list[np.ndarray | None]:
+    """The arrays' values, ``None`` for one MLX traces (inside mx.vmap or mx.compile).
+
+    Evaluated inside a custom vjp rule, where MLX keeps the graph: an evaluation elsewhere
+    (in a jvp rule) detaches the arrays an inner transform has marked done with, cutting
+    an outer transform's graph, and a third derivative would come out silently zero."""
+    values: list[np.ndarray | None] = []
+
+    def evaluate(_: Any, cotangent: Any, __: Any) -> Any:
+        for a in arrays:
+            try:
+                values.append(np.array(a))
+            except ValueError as err:
+                if _EVAL_IN_TRANSFORM not in str(err):
+                    raise
+                values.append(None)
+        return cotangent
+
+    probe = mx.custom_function(lambda z: z)
+    probe.vjp(evaluate)
+    zero = mx.array(0.0)
+    mx.vjp(probe, [zero], [zero])
+    return values
+
+
+def _through_traced(compute: Callable[..., np.ndarray], values: list, args: tuple, dtype: Any) -> Any:
+    """``compute(*values)`` as an MLX array, where ``values[i] is None`` for a traced
+    ``args[i]`` (one ``compute`` is linear in): ``sum_k args[i][k] * compute(..., e_k, ...)``."""
+    i = next((i for i, v in enumerate(values) if v is None), None)
+    if i is None:
+        return mx.array(compute(*values), dtype=dtype)
+    rows = [_through_traced(compute, [*values[:i], e, *values[i + 1:]], args, dtype) for e in np.eye(args[i].size)]
+    return args[i].astype(dtype) @ mx.stack(rows)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None else a + b
 
 
 # ---------------------------------------------------------------------------------------

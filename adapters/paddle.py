@@ -364,6 +364,22 @@ class PaddleBackend(Backend):
         return t
 
     @_dynamic
+    def from_dlpack(self, a: Any) -> Any:
+        # shares memory on the CPU; numpy will not export read-only memory this way (a copy)
+        if self.device == "cpu":
+            try:
+                return paddle.utils.dlpack.from_dlpack(a)
+            except (BufferError, RuntimeError, TypeError, ValueError):
+                pass
+        return super().from_dlpack(a)
+
+    @_dynamic
+    def numpy_view(self, a: Any) -> np.ndarray:
+        if a.place.is_cpu_place() and a.dtype != paddle.bfloat16:
+            return np.from_dlpack(a)  # its memory (.numpy() copies)
+        return self.to_numpy(a)
+
+    @_dynamic
     def to_numpy(self, a: Any) -> np.ndarray:
         if a.dtype == paddle.bfloat16:
             # paddle hands bfloat16 to numpy as its raw uint16 bits: ml_dtypes' bfloat16
@@ -630,10 +646,10 @@ class PaddleBackend(Backend):
 
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # paddle.autograd.PyLayers: the kernel's value, its pullback as the backward, and the
-        # pullback's own backward raising (a second derivative).  Forward mode here is the
-        # double-vjp trick, a derivative of the pullback: _pushforward takes its route by
-        # pullbacks instead (one per output element), which needs first derivatives only.
+        # paddle.autograd.PyLayers: the kernel's value, whose backward is its pullback, whose
+        # backward gives the kernel's second derivatives; a third derivative raises.  Forward
+        # mode here is the double-vjp trick, the pullback's derivative in its cotangent: the
+        # kernel's pushforward.
         return lambda x: _Foreign.apply(kernel, x)
 
     # ------------------------------------------------------------ reverse mode
@@ -831,25 +847,99 @@ def _numpy_of(t: Any) -> np.ndarray:
     return t.detach().numpy()
 
 
-class _ForeignPullback(paddle.autograd.PyLayer):
-    """The kernel's pullback as a paddle operation; differentiating it again raises.
+def _tensor(out: np.ndarray, dtype: str, like: Any) -> Any:
+    return paddle.to_tensor(out, dtype=dtype, place=like.place)
 
-    (The double-vjp trick of forward mode differentiates it with respect to the cotangent:
-    the refusal sends it to its route by first derivatives, see ``_pushforward``.)"""
+
+class _ForeignSecond(paddle.autograd.PyLayer):
+    """A second derivative of the kernel, ``kernel.<method>(x, a, b)`` (bilinear in ``a``
+    and ``b``), as a paddle operation; differentiating it again raises."""
 
     @staticmethod
-    def forward(ctx: Any, kernel: Any, x: Any, dy: Any) -> Any:
+    def forward(ctx: Any, kernel: Any, method: str, x: Any, a: Any, b: Any) -> Any:
         ctx.kernel = kernel
-        return paddle.to_tensor(kernel.vjp(_numpy_of(x), _numpy_of(dy)), dtype=kernel.in_dtype, place=x.place)
+        dtype = kernel.in_dtype if method == "second_vjp" else kernel.out_dtype
+        a, b = _numpy_of(a), _numpy_of(b)
+        if not (a.any() and b.any()):  # the double-vjp trick's zero cotangent: no kernel call
+            size = kernel.in_size if method == "second_vjp" else kernel.out_size
+            return _tensor(np.zeros(size, dtype), dtype, x)
+        return _tensor(getattr(kernel, method)(_numpy_of(x), a, b), dtype, x)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         _refused.error = CompositionError(
-            f"a second derivative through differentiate_with's boundary (paddle code calling a "
-            f"{ctx.kernel.backend.name} kernel) is not supported: differentiate once through it, or write "
-            f"the kernel with paddle (a paddle kernel nests natively)"
+            f"a third derivative through differentiate_with's boundary (paddle code calling a "
+            f"{ctx.kernel.backend.name} kernel) is not supported: the boundary carries first and second "
+            f"derivatives; write the kernel with paddle to nest further (a paddle kernel nests natively)"
         )
         raise _refused.error
+
+
+# The pullback (x, dy) -> f'(x)^T dy and the pushforward (x, dx) -> f'(x) dx as paddle
+# operations, each the sum of two PyLayers of one input: the first gives the value and the
+# derivative in x (a second derivative of the kernel), the second is zero and gives the
+# derivative in the cotangent or tangent (the other one of the two; what the double-vjp
+# trick of forward mode finds).  A PyLayer of two inputs would have to return None for one
+# paddle.grad prunes (one nobody asked for), which its backward cannot know.
+def _pullback(kernel: Any, x: Any, dy: Any) -> Any:
+    value = _ForeignPullback.apply(kernel, x, lambda: dy)
+    if dy.stop_gradient:
+        return value
+    return value + _ForeignLinear.apply(dy, lambda u: _pushforward(kernel, x, u), kernel.in_size, kernel.in_dtype)
+
+
+def _pushforward(kernel: Any, x: Any, dx: Any) -> Any:
+    value = _ForeignPushforward.apply(kernel, x, lambda: dx)
+    if dx.stop_gradient:
+        return value
+    return value + _ForeignLinear.apply(dx, lambda w: _pullback(kernel, x, w), kernel.out_size, kernel.out_dtype)
+
+
+class _ForeignPullback(paddle.autograd.PyLayer):
+    """``x -> f'(x)^T dy`` for the ``dy`` that ``dy_of()`` gives (not an input); its
+    derivative: the Hessian of ``<dy, f>``."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Any, x: Any, dy_of: Callable[[], Any]) -> Any:
+        ctx.kernel, ctx.dy_of = kernel, dy_of
+        ctx.save_for_backward(x)
+        return _tensor(kernel.vjp(_numpy_of(x), _numpy_of(dy_of())), kernel.in_dtype, x)
+
+    @staticmethod
+    def backward(ctx: Any, u: Any) -> Any:
+        (x,) = ctx.saved_tensor()
+        return _ForeignSecond.apply(ctx.kernel, "second_vjp", x, ctx.dy_of(), u)
+
+
+class _ForeignPushforward(paddle.autograd.PyLayer):
+    """``x -> f'(x) dx`` for the ``dx`` that ``dx_of()`` gives (not an input); its
+    derivative: the Hessian of ``<w, f>`` times ``dx`` for a cotangent ``w``."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Any, x: Any, dx_of: Callable[[], Any]) -> Any:
+        ctx.kernel, ctx.dx_of = kernel, dx_of
+        ctx.save_for_backward(x)
+        return _tensor(kernel.jvp(_numpy_of(x), _numpy_of(dx_of())), kernel.out_dtype, x)
+
+    @staticmethod
+    def backward(ctx: Any, w: Any) -> Any:
+        (x,) = ctx.saved_tensor()
+        return _ForeignSecond.apply(ctx.kernel, "second_vjp", x, w, ctx.dx_of())
+
+
+class _ForeignLinear(paddle.autograd.PyLayer):
+    """Zero (``size`` elements of ``dtype``) whose derivative in ``t`` is ``transpose``: the
+    derivative of the kernel's pullback in its cotangent ``t`` (the pushforward), or of its
+    pushforward in its tangent (the pullback)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Any, transpose: Callable[[Any], Any], size: int, dtype: str) -> Any:
+        ctx.transpose = transpose
+        return _tensor(np.zeros(size, dtype), dtype, t)
+
+    @staticmethod
+    def backward(ctx: Any, cotangent: Any) -> Any:
+        return ctx.transpose(cotangent)
 
 
 class _Foreign(paddle.autograd.PyLayer):
@@ -860,12 +950,12 @@ class _Foreign(paddle.autograd.PyLayer):
     def forward(ctx: Any, kernel: Any, x: Any) -> Any:
         ctx.kernel = kernel
         ctx.save_for_backward(x)
-        return paddle.to_tensor(kernel.value(_numpy_of(x)), dtype=kernel.out_dtype, place=x.place)
+        return _tensor(kernel.value(_numpy_of(x)), kernel.out_dtype, x)
 
     @staticmethod
     def backward(ctx: Any, dy: Any) -> Any:
         (x,) = ctx.saved_tensor()
-        return _ForeignPullback.apply(ctx.kernel, x, dy)
+        return _pullback(ctx.kernel, x, dy)
 
 
 # ---------------------------------------------------------------------------------------

@@ -68,9 +68,9 @@ _SYMBOLIC_HINT = (
     "compiles it) and an operation needed their numbers. Write f with autoray (`from autoray import "
     "numpy as anp`) or pytensor.tensor rather than numpy calls, float() or .item()."
 )
-# What a foreign kernel's refusal of a second derivative says (see _no_second_order): PyTensor
+# What a foreign kernel's refusal of a third derivative says (see _no_third_order): PyTensor
 # raises NullTypeGradError with it, which _trace turns into a CompositionError.
-_SECOND_ORDER = re.compile(r"(a second derivative through differentiate_with's boundary.*)", re.DOTALL)
+_SECOND_ORDER = re.compile(r"(a third derivative through differentiate_with's boundary.*)", re.DOTALL)
 # PyTensor's Numba mode runs an Op without a Numba implementation in object mode, and warns;
 # for a kernel of another library that is the only way, so the warning says nothing.
 _OBJECT_MODE = r"Numba will use object mode to run _Foreign"
@@ -477,11 +477,11 @@ class PyTensorBackend(Backend):
 
 # ---------------------------------------------------------------------------------------
 # differentiate_with: another library's kernel as PyTensor Ops of one flat vector.
-def _no_second_order(kernel: Any) -> str:
+def _no_third_order(kernel: Any) -> str:
     return (
-        f"a second derivative through differentiate_with's boundary (pytensor code calling a "
-        f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or write "
-        f"the kernel with pytensor (a pytensor kernel nests natively)"
+        f"a third derivative through differentiate_with's boundary (pytensor code calling a "
+        f"{kernel.backend.name} kernel) is not supported: the boundary carries first and second "
+        f"derivatives; write the kernel with pytensor to nest further (a pytensor kernel nests natively)"
     )
 
 
@@ -521,7 +521,13 @@ class _ForeignOp(Op):
         return Apply(self, inputs, [pt.vector(dtype=dtype, shape=(size,))])
 
     def perform(self, node: Any, inputs: list, outputs: list) -> None:
-        outputs[0][0] = np.asarray(self.compute(*inputs), dtype=getattr(self.kernel, self.output[1]))
+        out = np.asarray(self.compute(*inputs), dtype=getattr(self.kernel, self.output[1]))
+        # PyTensor owns an Op's output, and its inplace rewrites may write into it: the
+        # kernel's read-only memory (jax, tensorflow), or an input's (a kernel returning its
+        # input), is copied; the Op declares no view_map
+        if not out.flags.writeable or any(np.may_share_memory(out, a) for a in inputs):
+            out = out.copy()
+        outputs[0][0] = out
 
     def compute(self, *inputs: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -530,23 +536,88 @@ class _ForeignOp(Op):
         return [(getattr(self.kernel, self.output[0]),)]
 
     def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        why = _no_second_order(self.kernel)
+        why = _no_third_order(self.kernel)
         return [grad_undefined(self, i, a, why) for i, a in enumerate(inputs)]
 
 
+class _ForeignSecond(_ForeignOp):
+    """A second derivative of the kernel, ``(x, a, b)``, bilinear in ``a`` and ``b``: its
+    derivatives in them are second derivatives too (PyTensor's double-pullback forward
+    mode takes them); in ``x`` it is a third, undefined (pullback) or refused (pushforward)."""
+
+    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
+        (x, a, b), (x_dot, a_dot, b_dot) = inputs, map(_tangent, tangents)
+        if x_dot is not None:
+            raise CompositionError(_no_third_order(self.kernel))
+        return [_tangent_sum(None if a_dot is None else self(x, a_dot, b),
+                             None if b_dot is None else self(x, a, b_dot))]
+
+
+class _ForeignSecondVjp(_ForeignSecond):
+    """``(x, dy, v) -> d/dx <dy, f'(x) v>``: the Hessian of ``<dy, f>`` times ``v``."""
+
+    inputs = ("in_dtype", "out_dtype", "in_dtype")
+    output = ("in_size", "in_dtype")
+
+    def compute(self, x: np.ndarray, dy: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return self.kernel.second_vjp(x, dy, v)
+
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        (x, dy, v), (c,) = inputs, cotangents
+        return [grad_undefined(self, 0, x, _no_third_order(self.kernel)),
+                _ForeignSecondJvp(self.kernel)(x, v, c), self(x, dy, c)]  # the Hessian is symmetric
+
+
+class _ForeignSecondJvp(_ForeignSecond):
+    """``(x, v, w) -> f''(x)[v, w]``."""
+
+    inputs = ("in_dtype", "in_dtype", "in_dtype")
+
+    def compute(self, x: np.ndarray, v: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return self.kernel.second_jvp(x, v, w)
+
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        (x, v, w), (c,) = inputs, cotangents
+        second_vjp = _ForeignSecondVjp(self.kernel)
+        return [grad_undefined(self, 0, x, _no_third_order(self.kernel)), second_vjp(x, c, w), second_vjp(x, c, v)]
+
+
+def _tangent_sum(a: Any, b: Any) -> Any:
+    """The sum of two tangent terms, either of which may be absent (``None``)."""
+    return b if a is None else a if b is None else a + b
+
+
+def _tangent(t: Any) -> Any:
+    # PyTensor marks an input without a tangent with None or a DisconnectedType variable
+    from pytensor.gradient import DisconnectedType
+
+    return None if t is None or isinstance(t.type, DisconnectedType) else t
+
+
 class _ForeignPushforward(_ForeignOp):
-    """``(x, dx) -> J dx``: the kernel's pushforward; not differentiable again."""
+    """``(x, dx) -> J dx``: the kernel's pushforward.  Linear in ``dx``: its derivatives are
+    the pullback with respect to ``dx`` and a second derivative of the kernel with respect
+    to ``x``."""
 
     inputs = ("in_dtype", "in_dtype")
 
     def compute(self, x: np.ndarray, dx: np.ndarray) -> np.ndarray:
         return self.kernel.jvp(x, dx)
 
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        (x, dx), (w,) = inputs, cotangents
+        return [_ForeignSecondVjp(self.kernel)(x, w, dx), _ForeignPullback(self.kernel)(x, w)]
+
+    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
+        (x, dx), (x_dot, dx_dot) = inputs, map(_tangent, tangents)
+        return [_tangent_sum(None if dx_dot is None else self(x, dx_dot),
+                             None if x_dot is None else _ForeignSecondJvp(self.kernel)(x, dx, x_dot))]
+
 
 class _ForeignPullback(_ForeignOp):
-    """``(x, dy) -> J^T dy``: the kernel's pullback.  Linear in ``dy``: its pullback with
-    respect to ``dy`` is the pushforward (PyTensor's double-pullback forward mode); with
-    respect to ``x`` it is a second derivative, undefined."""
+    """``(x, dy) -> J^T dy``: the kernel's pullback.  Linear in ``dy``: its derivatives are
+    the pushforward with respect to ``dy`` (PyTensor's double-pullback forward mode) and the
+    Hessian of ``<dy, f>`` with respect to ``x``."""
 
     inputs = ("in_dtype", "out_dtype")
     output = ("in_size", "in_dtype")
@@ -555,9 +626,13 @@ class _ForeignPullback(_ForeignOp):
         return self.kernel.vjp(x, dy)
 
     def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        x, _ = inputs
-        return [grad_undefined(self, 0, x, _no_second_order(self.kernel)),
-                _ForeignPushforward(self.kernel)(x, cotangents[0])]
+        (x, dy), (u,) = inputs, cotangents
+        return [_ForeignSecondVjp(self.kernel)(x, dy, u), _ForeignPushforward(self.kernel)(x, u)]
+
+    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
+        (x, dy), (x_dot, dy_dot) = inputs, map(_tangent, tangents)
+        return [_tangent_sum(None if dy_dot is None else self(x, dy_dot),
+                             None if x_dot is None else _ForeignSecondVjp(self.kernel)(x, dy, x_dot))]
 
 
 class _ForeignValue(_ForeignOp):

@@ -21,6 +21,7 @@ import tensorflow as tf
 import abstractdiff._operators
 from abstractdiff._backend import OPERATOR_METHODS, Backend, check_scalar
 from abstractdiff._errors import (
+    AbstractDiffError,
     ArgumentTypeError,
     CompositionError,
     DeviceError,
@@ -102,6 +103,29 @@ _DIRECT_OPERATORS = frozenset({
 })
 
 
+
+def _abstractdiff_error(err: BaseException) -> BaseException | None:
+    """``err`` if it is one of ours, or ours that autograph wrapped (it keeps the original
+    as the new error's context), else None."""
+    while err is not None:
+        if isinstance(err, AbstractDiffError):
+            return err
+        if not hasattr(err, "ag_error_metadata"):
+            return None
+        err = err.__context__
+    return None
+
+
+def _differentiated(x: Any) -> bool:
+    """Whether a tape or a forward accumulator is watching ``x`` now (TensorFlow's own test
+    for whether a function's gradient may be differentiated again)."""
+    try:
+        from tensorflow.python.ops.gradients_util import PossibleTapeGradientTypes
+    except ImportError:  # a TensorFlow without it: assume it may be
+        return True
+    return PossibleTapeGradientTypes([x]) != 0
+
+
 class TensorFlowBackend(Backend):
     name = "tensorflow"
     extra = "tensorflow"
@@ -150,6 +174,23 @@ class TensorFlowBackend(Backend):
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a.numpy())
+
+    def from_dlpack(self, a: Any) -> Any:
+        # Shares contiguous memory aligned to 64 bytes (TensorFlow imports any, but its kernels
+        # then abort the process on misaligned memory: numpy's large arrays are aligned to 16)
+        # by the old DLPack capsule, which numpy will not make of read-only memory.  The rest
+        # copies, as does any device other than the CPU.
+        if self.device == "cpu" and hasattr(a, "__dlpack__"):
+            try:
+                view = a if isinstance(a, np.ndarray) else np.from_dlpack(a)
+                if view.flags.c_contiguous and view.__array_interface__["data"][0] % 64 == 0:
+                    return tf.experimental.dlpack.from_dlpack(a.__dlpack__())
+            except (BufferError, TypeError, RuntimeError, tf.errors.InvalidArgumentError):
+                pass
+        return super().from_dlpack(a)
+
+    def numpy_view(self, a: Any) -> np.ndarray:
+        return np.asarray(a)  # an eager CPU tensor's memory, read-only (.numpy() copies)
 
     def snapshot(self, a: Any) -> Any:
         # tensors are immutable; a variable is not: keep its current value
@@ -231,10 +272,24 @@ class TensorFlowBackend(Backend):
     # ---------------------------------------------------------------- running
     def _run(self, fn: Any, kind: str, body: Callable, *groups: list) -> tuple:
         """``body(fn, *groups) -> (outputs, aux)``, compiled and cached in ``fn``'s artefacts."""
+        try:
+            return self._run_body(fn, kind, body, *groups)
+        except Exception as err:
+            # autograph (tf.function, pfor) rewraps an error it cannot rebuild in a
+            # StagingError: our own errors come out as themselves
+            ours = _abstractdiff_error(err)
+            if ours is None or ours is err:
+                raise
+            raise ours from None
+
+    def _run_body(self, fn: Any, kind: str, body: Callable, *groups: list) -> tuple:
         if not (self.compile and tf.executing_eagerly()):
             with tf.device(self.tf_device):
                 return body(fn, *groups)
         store = fn.artefacts(self, kind) if isinstance(fn, HasArtefacts) else Artefacts(kind)
+        if store.peek("eager"):  # f calls a foreign kernel whose forward mode works eagerly only
+            with tf.device(self.tf_device):
+                return body(fn, *groups)
         # tf.function retraces per input signature itself; the device is baked into the
         # graph at trace time and is one of the backend's options (part of the store's key)
         # flat positional tensors: a tf.function call with nested lists costs ~35 us more
@@ -243,6 +298,10 @@ class TensorFlowBackend(Backend):
         try:
             outputs, aux_arrays = compiled(*[a for group in groups for a in group])
         except Exception as err:
+            if getattr(_abstractdiff_error(err), "eager_would_work", False):
+                store.put("eager", True)
+                with tf.device(self.tf_device):
+                    return body(fn, *groups)
             mapped = _traced_value_error(err)
             if mapped is None:
                 raise
@@ -354,32 +413,51 @@ class TensorFlowBackend(Backend):
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
         # tf.custom_gradient around tf.numpy_function (which runs inside tf.function too):
-        # the kernel's value forward and its pullback as the gradient.  The pullback's own
-        # gradient raises: TensorFlow would otherwise find none and use zeros, for a second
-        # derivative and for forward mode alike (ForwardAccumulator differentiates the
-        # gradient function), a silently wrong result.
+        # the kernel's value forward and its pullback as the gradient.  Forward mode
+        # (ForwardAccumulator) differentiates the gradient function with respect to its
+        # upstream gradient ("double backward"), so the pullback's own gradient with
+        # respect to dy is the kernel's pushforward.  Its gradient with respect to x would
+        # be a second derivative: when anything could still differentiate x (a tape or an
+        # accumulator watching it when the pullback is built), or in a graph (where
+        # TensorFlow's forward mode does not reach a numpy_function's custom gradient and
+        # would find zeros), that gradient raises rather than be silently zero.
         out_dtype, in_dtype = tf.as_dtype(kernel.out_dtype), tf.as_dtype(kernel.in_dtype)
 
-        @tf.custom_gradient
-        def pullback(x: Any, dy: Any) -> Any:
-            dx = tf.numpy_function(kernel.vjp, [x, dy], in_dtype, stateful=False)
-            dx.set_shape((kernel.in_size,))
+        def refuse(watched: bool) -> CompositionError:
+            what = "second derivatives are" if watched else "forward mode inside tf.function is (eagerly it works)"
+            err = CompositionError(
+                f"through differentiate_with's boundary (tensorflow code calling a "
+                f"{kernel.backend.name} kernel), {what} not supported: use reverse mode once through "
+                f"it, or write the kernel in tensorflow (a tensorflow kernel nests natively)"
+            )
+            # forward mode alone, traced: the adapter's compiled operators rerun f eagerly
+            err.eager_would_work = not watched
+            return err
 
-            def refuse(*_: Any) -> Any:
-                raise CompositionError(
-                    f"forward mode and second derivatives through differentiate_with's boundary "
-                    f"(tensorflow code calling a {kernel.backend.name} kernel) are not supported: use "
-                    f"reverse mode once through it, or write the kernel in tensorflow (a tensorflow "
-                    f"kernel nests natively)"
-                )
+        def pullback(x: Any, dy: Any, watched: bool, eager: bool) -> Any:
+            @tf.custom_gradient
+            def vjp(x: Any, dy: Any) -> Any:
+                dx = tf.numpy_function(kernel.vjp, [x, dy], in_dtype, stateful=False)
+                dx.set_shape((kernel.in_size,))
 
-            return dx, refuse
+                # not converted by autograph, which would wrap the error in a StagingError
+                @tf.autograph.experimental.do_not_convert
+                def pushforward(dx_dot: Any) -> Any:
+                    if watched or not eager:
+                        raise refuse(watched)
+                    dy_dot = tf.numpy_function(kernel.jvp, [x, dx_dot], out_dtype, stateful=False)
+                    dy_dot.set_shape((kernel.out_size,))
+                    return None, dy_dot
+
+                return dx, pushforward
+
+            return vjp(x, dy)
 
         @tf.custom_gradient
         def foreign(x: Any) -> Any:
             y = tf.numpy_function(kernel.value, [x], out_dtype, stateful=False)
             y.set_shape((kernel.out_size,))
-            return y, lambda dy: pullback(x, dy)
+            return y, lambda dy: pullback(x, dy, _differentiated(x), tf.executing_eagerly())
 
         return foreign
 
@@ -477,12 +555,19 @@ class TensorFlowBackend(Backend):
             xs, data = signature.check(x, args)
             return preparation.run(xs, data, *extra)
 
+        eager_only = False  # f calls a foreign kernel whose forward mode works eagerly only
+
         def direct(x: Any, *rest: Any) -> Any:
-            if type(x) is _EAGER and len(rest) == n_rest and all(type(a) is _EAGER for a in rest):
+            nonlocal eager_only
+            if not eager_only and type(x) is _EAGER and len(rest) == n_rest and all(type(a) is _EAGER for a in rest):
                 try:
                     return compiled(x, *rest)
                 except (TypeError, ValueError):
                     pass  # refused by the signature (or raised by f): the core's route says why
+                except Exception as err:
+                    if not getattr(_abstractdiff_error(err), "eager_would_work", False):
+                        raise
+                    eager_only = True
             return checked(x, *rest)
 
         return direct

@@ -176,6 +176,16 @@ class TorchBackend(Backend):
             _SHARES_NUMPY[id(t)] = t
         return t
 
+    def from_dlpack(self, a: Any) -> torch.Tensor:
+        # shares memory on the CPU, read-only numpy arrays (a jax caller's) included: torch has
+        # no read-only tensors, so a kernel writing into its input in place would write into
+        # the caller's memory, as with torch.from_dlpack itself.  bfloat16 numpy has no DLPack.
+        try:
+            t = torch.from_dlpack(a)
+        except (BufferError, RuntimeError, TypeError):
+            return super().from_dlpack(a)
+        return t if t.device == self.torch_device else t.to(self.torch_device)
+
     def to_numpy(self, a: Any) -> np.ndarray:
         a = a.detach().cpu()
         if a.dtype == torch.bfloat16:
@@ -685,28 +695,66 @@ class TorchBackend(Backend):
 # dtype and device.  Registered when this adapter is imported, i.e. when a torch backend
 # is created, before any user function runs on it.
 # ------------------------------------------------------------------ composition
-def _to_device_of(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(a), device=like.device)
+def _to_device_of(a: np.ndarray, like: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """A kernel's numpy result as a tensor on ``like``'s device, without a copy on the CPU
+    (DLPack takes read-only memory too).  A result lying in the memory of one of ``inputs``
+    (default ``like``; a kernel returning its input, or a slice of it) comes back as a view
+    of that input: torch's version counter then sees a write through either, as it does
+    for its own views, where a separate tensor would let it change the input silently."""
+    if like.device.type == "cpu":
+        for t in inputs or (like,):
+            view = _view_into(t, a)
+            if view is not None:
+                return view
+        try:
+            return torch.from_dlpack(a)
+        except (BufferError, RuntimeError, TypeError):  # bfloat16, which numpy has no DLPack for
+            pass
+    return torch.as_tensor(a if a.flags.writeable else a.copy(), device=like.device)
+
+
+def _view_into(t: torch.Tensor, a: np.ndarray) -> torch.Tensor | None:
+    """``a`` as a view of ``t`` when ``a`` is a contiguous run of ``t``'s elements, else ``None``
+    (a copy when ``a`` overlaps ``t``'s memory some other way)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or not a.size:
+        return None
+    start, itemsize = t.data_ptr(), t.element_size()
+    ptr = a.__array_interface__["data"][0]
+    if ptr + a.nbytes <= start or ptr >= start + t.numel() * itemsize:
+        return None
+    offset, misaligned = divmod(ptr - start, itemsize)
+    if (a.ndim == 1 and a.flags.c_contiguous and a.dtype.name == str(t.dtype).removeprefix("torch.")
+            and offset >= 0 and not misaligned and offset + a.size <= t.numel()):
+        return t.detach().reshape(-1)[offset : offset + a.size]
+    return torch.as_tensor(a.copy())
 
 
 def _numpy_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()  # no copy on CPU
 
 
-def _no_second_order(kernel: Any) -> CompositionError:
+def _no_third_order(kernel: Any) -> CompositionError:
     return CompositionError(
-        f"a second derivative through differentiate_with's boundary (torch code calling a "
-        f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or write "
-        f"the kernel in torch (a torch kernel nests natively)"
+        f"a third derivative through differentiate_with's boundary (torch code calling a "
+        f"{kernel.backend.name} kernel) is not supported: the boundary carries first and second "
+        f"derivatives; write the kernel in torch to nest further (a torch kernel nests natively)"
     )
 
 
-class _ForeignVjp(torch.autograd.Function):
-    """The kernel's pullback as a torch operation; differentiating it again raises."""
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
 
-    @staticmethod
-    def forward(kernel: Any, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        return _to_device_of(kernel.vjp(_numpy_of(x), _numpy_of(dy)), x)
+
+class _ForeignSecond(torch.autograd.Function):
+    """A second derivative of the kernel as a torch operation (``kernel.<method>(x, a, b)``);
+    differentiating it again raises."""
+
+    method = "second_vjp"
+
+    @classmethod
+    def forward(cls, kernel: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = getattr(kernel, cls.method)(_numpy_of(x), _numpy_of(a), _numpy_of(b))
+        return _to_device_of(out, x, x, a, b)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -714,11 +762,56 @@ class _ForeignVjp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise _no_second_order(ctx.kernel)
+        raise _no_third_order(ctx.kernel)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
-        raise _no_second_order(ctx.kernel)
+        raise _no_third_order(ctx.kernel)
+
+    @classmethod
+    def vmap(cls, info: Any, in_dims: tuple, kernel: Any, *tensors: torch.Tensor) -> tuple:
+        return _batched(info, in_dims[1:], lambda *t: cls.apply(kernel, *t), *tensors), 0
+
+
+class _ForeignSecondJvp(_ForeignSecond):
+    """``f''(x)[v, w]``, output-shaped (forward over forward)."""
+
+    method = "second_jvp"
+
+
+class _ForeignVjp(torch.autograd.Function):
+    """The kernel's pullback ``(x, dy) -> f'(x)^T dy`` as a torch operation.  Its own
+    derivatives are second derivatives of the kernel: with respect to ``dy`` the
+    pushforward, with respect to ``x`` the Hessian of ``<dy, f>``."""
+
+    @staticmethod
+    def forward(kernel: Any, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return _to_device_of(kernel.vjp(_numpy_of(x), _numpy_of(dy)), x, x, dy)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        kernel, x, dy = inputs
+        ctx.kernel = kernel
+        ctx.save_for_backward(x, dy)
+        ctx.save_for_forward(x, dy)
+
+    @staticmethod
+    def backward(ctx: Any, u: torch.Tensor) -> tuple:
+        x, dy = ctx.saved_tensors
+        _, x_needed, dy_needed = ctx.needs_input_grad
+        return (
+            None,
+            _ForeignSecond.apply(ctx.kernel, x, dy, u) if x_needed else None,
+            _ForeignJvp.apply(ctx.kernel, x, u) if dy_needed else None,
+        )
+
+    @staticmethod
+    def jvp(ctx: Any, _kernel_tangent: Any, x_dot: torch.Tensor | None, dy_dot: torch.Tensor | None) -> Any:
+        x, dy = ctx.saved_tensors
+        return _add(
+            None if dy_dot is None else _ForeignVjp.apply(ctx.kernel, x, dy_dot),
+            None if x_dot is None else _ForeignSecond.apply(ctx.kernel, x, dy, x_dot),
+        )
 
     @classmethod
     def vmap(cls, info: Any, in_dims: tuple, kernel: Any, x: torch.Tensor, t: torch.Tensor) -> tuple:
@@ -726,11 +819,31 @@ class _ForeignVjp(torch.autograd.Function):
 
 
 class _ForeignJvp(_ForeignVjp):
-    """The kernel's pushforward as a torch operation; differentiating it again raises."""
+    """The kernel's pushforward ``(x, dx) -> f'(x) dx`` as a torch operation; its
+    derivatives: with respect to ``dx`` the pullback, with respect to ``x`` a second
+    derivative of the kernel."""
 
     @staticmethod
     def forward(kernel: Any, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
-        return _to_device_of(kernel.jvp(_numpy_of(x), _numpy_of(dx)), x)
+        return _to_device_of(kernel.jvp(_numpy_of(x), _numpy_of(dx)), x, x, dx)
+
+    @staticmethod
+    def backward(ctx: Any, w: torch.Tensor) -> tuple:
+        x, dx = ctx.saved_tensors
+        _, x_needed, dx_needed = ctx.needs_input_grad
+        return (
+            None,
+            _ForeignSecond.apply(ctx.kernel, x, w, dx) if x_needed else None,
+            _ForeignVjp.apply(ctx.kernel, x, w) if dx_needed else None,
+        )
+
+    @staticmethod
+    def jvp(ctx: Any, _kernel_tangent: Any, x_dot: torch.Tensor | None, dx_dot: torch.Tensor | None) -> Any:
+        x, dx = ctx.saved_tensors
+        return _add(
+            None if dx_dot is None else _ForeignJvp.apply(ctx.kernel, x, dx_dot),
+            None if x_dot is None else _ForeignSecondJvp.apply(ctx.kernel, x, dx, x_dot),
+        )
 
 
 class _Foreign(torch.autograd.Function):

@@ -14,15 +14,16 @@ import statistics
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import Callable
 
 import abstractdiff as ad
 
-from . import import_time, memory, operators, sparse
+from . import compose, import_time, memory, operators, sparse
 from .harness import Result, run_backend
 from .workloads import WORKLOADS
 
 BACKENDS = ("jax", "torch", "tensorflow", "autograd", "mlx", "paddle", "pytensor")
-TARGETS = {"tiny": (1.15, None), "gmm": (1.05, 1.10), "mlp": (1.05, 1.10)}  # (prepared, unprepared)
+TARGETS = {"tiny": (1.10, 1.30), "gmm": (1.05, 1.10), "mlp": (1.05, 1.10)}  # (prepared, unprepared)
 
 
 def _versions() -> str:
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-import", action="store_true", help="skip the import-time comparison")
     parser.add_argument("--no-operators", action="store_true", help="skip the jacobian and hvp comparison")
     parser.add_argument("--no-sparse", action="store_true", help="skip the sparse against dense Jacobian comparison")
+    parser.add_argument("--no-compose", action="store_true", help="skip the crossing-libraries comparison")
     opts = parser.parse_args(argv)
 
     available = set(ad.available_backends())
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(sparse_lines))
         operator_lines = [*operator_lines, "", "Sparse against dense Jacobian, 2-D Laplacian residual with 10^4 "
                           "unknowns, float64 (`python -m benchmarks.sparse`):", "", *sparse_lines]
+    compose_lines: list[str] = []
+    if not opts.no_compose:
+        names = [b for b in backends if b in compose.LIBRARIES]
+        print(f"  crossing libraries / {', '.join(names)} ...", file=sys.stderr, flush=True)
+        compose_lines = compose.table(compose.run(names, opts.rounds, opts.min_time))
+        print("\n".join(compose_lines))
     memory_lines: list[str] = []
     if not opts.no_memory:
         print("  peak memory (fresh processes) ...", file=sys.stderr, flush=True)
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         import_lines = import_table()
         print("\n".join(import_lines))
     if not opts.no_write:
-        write_markdown(opts, workloads, lines, memory_lines, import_lines, capture_lines, operator_lines)
+        write_markdown(opts, workloads, lines, memory_lines, import_lines, capture_lines, operator_lines,
+                       compose_lines)
     return 0
 
 
@@ -143,20 +152,27 @@ def overhead_table(results: list[Result]) -> list[str]:
 
 
 def captures_table(workloads: list[str], calls: int = 20000) -> list[str]:
-    """What the stale-trace check costs per unprepared call: fingerprinting the values each
-    workload's function reads from globals and closures (abstractdiff._captures.captures)."""
-    from abstractdiff._captures import captures
+    """What the stale-trace check costs per unprepared call: the guard's test that each
+    workload's function still reads the same objects from its globals and closures (what a
+    hot call pays, abstractdiff._captures.CaptureGuard.unchanged), and the full fingerprint
+    taken when it does not (abstractdiff._captures.captures)."""
+    from abstractdiff._captures import capture_guard, captures
 
-    lines = ["| workload | function | check per call (us) |", "|---|---|---:|"]
-    for name in workloads:
-        f = WORKLOADS[name]().f
+    def best_us(call: Callable[[], object]) -> float:
         best = float("inf")
         for _ in range(5):
             start = time.perf_counter()
             for _ in range(calls):
-                captures(f)
+                call()
             best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        lines.append(f"| {name} | `{f.__name__}` | {best:.2f} |")
+        return best
+
+    lines = ["| workload | function | guard per call (us) | full fingerprint, on a miss (us) |", "|---|---|---:|---:|"]
+    for name in workloads:
+        f = WORKLOADS[name]().f
+        guard = capture_guard(f)
+        guarded = "n/a" if guard is None else f"{best_us(lambda g=guard, f=f: g.unchanged(f)):.2f}"
+        lines.append(f"| {name} | `{f.__name__}` | {guarded} | {best_us(lambda f=f: captures(f)):.2f} |")
     return lines
 
 
@@ -184,6 +200,7 @@ def write_markdown(
     import_lines: list[str],
     capture_lines: list[str],
     operator_lines: list[str],
+    compose_lines: list[str],
 ) -> None:
     descriptions = [f"- `{name}`: {WORKLOADS[name]().description}" for name in workloads]
     targets = [
@@ -225,8 +242,9 @@ def write_markdown(
             "On backends that trace `f` once and reuse the trace (jax and tensorflow with `compile=True`, the "
             "default; torch with `compile=`), an unprepared operator keys its plan on the values `f` reads from "
             "globals and closures, so that a changed value is traced again instead of silently reusing the old "
-            "one. The *abstractdiff* column above includes this check; its cost alone, per call (best of 5 runs "
-            "of 20,000 calls):",
+            "one. A call whose function still reads the same objects (by identity, held weakly) pays the guard's "
+            "test only; a call after a change, or the first one, takes the full fingerprint. The *abstractdiff* "
+            "column above includes this check; its cost alone, per call (best of 5 runs of 20,000 calls):",
             "",
             *capture_lines,
             "",
@@ -242,6 +260,18 @@ def write_markdown(
                     "",
                 ]
                 if operator_lines
+                else []
+            ),
+            *(
+                [
+                    "## Crossing libraries",
+                    "",
+                    *compose.DESCRIPTION,
+                    "",
+                    *compose_lines,
+                    "",
+                ]
+                if compose_lines
                 else []
             ),
             "## Peak memory of a gradient",

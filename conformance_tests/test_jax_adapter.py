@@ -3,6 +3,8 @@ plus jax's pitfalls (scoped x64, retracing, control flow under jit, nested trace
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import optree
 import pytest
@@ -342,6 +344,59 @@ def test_second_call_does_not_retrace():
     ad.gradient(b, loss, point(4, "float64"), *_lsq_data("float64"))
     ad.gradient(b, loss, point(4, "float64"), *_lsq_data("float64"))
     assert b.trace_count == traced + 1
+
+
+SCALE = 2.0
+
+
+def scaled_sin_sum(x, s=1.0):
+    return SCALE * anp.sum(anp.sin(x) * x) * math.copysign(1.0, s)
+
+
+def test_unprepared_calls_on_jax_arrays_take_jit_alone_and_see_every_change(monkeypatch):
+    """The hot call: jit's dispatch for the whole unprepared operator, guarded by the
+    captures; shapes, dtypes, structures and static values of every kind still right."""
+    global SCALE
+    b = JaxBackend()
+    x = jnp.asarray(point(4, "float32"))
+    flattened = []
+    monkeypatch.setattr(JaxBackend, "flatten", lambda self, *a: flattened.append(1) or ad.Backend.flatten(self, *a))
+
+    def want(x, s=1.0):
+        x = np.asarray(x, dtype=np.float64)
+        return SCALE * (np.cos(x) * x + np.sin(x)) * math.copysign(1.0, s)
+
+    ad.gradient(b, scaled_sin_sum, x)
+    traced = b.trace_count
+    flattened.clear()
+    for _ in range(3):
+        assert_close(ad.gradient(b, scaled_sin_sum, x + 1), want(x + 1), RTOL["float32"], "float32")
+    assert b.trace_count == traced and not flattened  # no retrace, no flattening: jit's dispatch alone
+    try:
+        SCALE = 3.0
+        assert_close(ad.gradient(b, scaled_sin_sum, x), want(x), RTOL["float32"], "float32")
+        assert b.trace_count == traced + 1  # a changed global: traced again
+    finally:
+        SCALE = 2.0
+    with jax.enable_x64(True):
+        wide = jnp.asarray(point(4, "float64"))
+    cases = [(x, 1.0), (x[:3], 1.0), (x, -0.0), (x, 0.0), (wide, 1.0), (wide, -0.0), (x[:3], 0.0)]
+    for _ in range(2):  # every form once, then again (from the caches: no new traces)
+        for v, s in cases:
+            assert_close(ad.gradient(b, scaled_sin_sum, v, s), want(v, s), RTOL[str(v.dtype)], str(v.dtype))
+        traced = b.trace_count
+    assert b.trace_count == traced
+    tree = {"a": x, "b": x[:2]}
+    g = ad.gradient(b, lambda t: scaled_sin_sum(t["a"]) + anp.sum(t["b"] ** 2), tree)
+    assert_close(g, {"a": want(x), "b": 2 * np.asarray(x[:2], np.float64)}, RTOL["float32"], "float32")
+    # numpy int64 data (int32 in jax without x64), aux and hvp through their hot calls too
+    for _ in range(3):
+        idx = np.array([0, 2])
+        (y, aux), g = ad.value_and_gradient(b, lambda x, i: (anp.sum(x[i] ** 2), {"n": 2}), x, idx, has_aux=True)
+        assert aux == {"n": 2}
+        assert_close(g, np.asarray(x, np.float64) * [2, 0, 2, 0], RTOL["float32"], "float32")
+        assert_close(ad.hvp(b, lambda x: anp.sum(x**3), x, x), 6 * np.asarray(x, np.float64) ** 2,
+                     RTOL["float32"], "float32")
 
 
 def test_compile_false_runs_unjitted():

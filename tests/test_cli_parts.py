@@ -369,12 +369,14 @@ def test_report_composition_lines_and_failures():
     from abstractdiff.testing._composition import PairResult
 
     plan = hand_plan("exact_a", "exact_b")
-    good = PairResult("exact_a", "exact_b", "float64", passed=["value", "gradient", "pullback"], refused="TypeError")
+    good = PairResult("exact_a", "exact_b", "float64", passed=["value", "gradient", "pullback"],
+                      refused={"pushforward": "CompositionError", "hessian": "CompositionError"})
     bad = PairResult("exact_b", "exact_a", "float64", passed=["value"], failure="max abs diff 3e-04 (gradient)")
     results = [cli.JobResult(plan.jobs[0], [make_report("exact_a")], composition=[good]),
                cli.JobResult(plan.jobs[1], [make_report("exact_b")], composition=[bad])]
     lines, data, status = cli.report(plan, cli.Outcome(results))
-    assert "  composition: exact_a over exact_b: ok (gradient, pullback); forward mode refused (TypeError)" in lines
+    assert ("  composition: exact_a over exact_b: ok (gradient, pullback); pushforward refused (CompositionError); "
+            "hessian refused (CompositionError)") in lines
     assert "  composition: exact_b over exact_a: FAIL max abs diff 3e-04 (gradient)" in lines
     assert status == 1 and lines[-1].startswith("FAIL: 2 backend x device x dtype runs, 2 checks, 1 failure(s)")
     assert [c["ok"] for c in data["composition"]] == [True, False]
@@ -394,7 +396,7 @@ def test_check_composition_passing_and_failing_pairs(capsys, clean_registry):
     failures = lines[lines.index("failures:"):]
     pairs = [line for line in lines[:lines.index("failures:")] if line.startswith("  composition: ")]
     # finite differences approximate: they are inners only
-    assert pairs[0] == "  composition: autograd over finite_differences: ok (gradient, pullback, pushforward)"
+    assert pairs[0] == "  composition: autograd over finite_differences: ok (gradient, pullback, pushforward, hessian)"
     assert pairs[1].startswith("  composition: autograd over off_pullback_fd: FAIL max abs diff ")
     assert pairs[1].endswith("(gradient)") and len(pairs) == 2
     assert pairs[1] in failures

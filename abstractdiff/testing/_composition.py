@@ -3,8 +3,9 @@
 
 ``check_pair(outer, inner, dtype) -> PairResult`` differentiates ``outer_code(g)`` with
 ``outer`` (``g`` is :func:`kernel` wrapped for ``inner``) and compares the value, the
-gradient, the pullback and, where ``outer`` has forward mode through the boundary, the
-pushforward with those of :func:`reference` (the same function, all in ``outer``).  The
+gradient, the pullback, the pushforward and the Hessian with those of :func:`reference`
+(the same function, all in ``outer``); forward mode and the Hessian may be refused (a
+:class:`~abstractdiff.CompositionError`) where the outer library's mechanism stops.  The
 functions are written once with autoray, so they run on every backend.  Used by
 ``abstractdiff check`` and by ``tests/test_compose.py``.
 """
@@ -20,7 +21,9 @@ from autoray import numpy as anp
 __all__ = ["MODES", "TOLERANCES", "PairResult", "check_pair", "kernel", "outer_code", "reference"]
 
 #: What is compared, in this order.
-MODES = ("value", "gradient", "pullback", "pushforward")
+MODES = ("value", "gradient", "pullback", "pushforward", "hessian")
+#: The modes an adapter may refuse through the boundary (with a CompositionError).
+REFUSABLE = ("pushforward", "hessian")
 #: Absolute and relative tolerance per dtype.
 TOLERANCES = {"float64": 1e-12, "float32": 1e-5}
 #: The point, the output cotangent and the input tangent.
@@ -58,7 +61,7 @@ class PairResult:
     inner: str
     dtype: str
     passed: list[str] = field(default_factory=list)  # modes that agree with the reference
-    refused: str | None = None  # forward mode refused: the error's type
+    refused: dict[str, str] = field(default_factory=dict)  # refused modes: the error's type
     failure: str | None = None  # the first disagreement or error
     max_abs_diff: float = 0.0
 
@@ -67,21 +70,21 @@ class PairResult:
         return self.failure is None
 
     def line(self) -> str:
-        """``torch over jax: ok (gradient, pullback, pushforward)``, or ``...: FAIL ...``."""
+        """``torch over jax: ok (gradient, pullback, pushforward, hessian)``, or ``...: FAIL ...``."""
         head = f"{self.outer} over {self.inner}"
         if not self.ok:
             return f"{head}: FAIL {self.failure}"
         modes = ", ".join(m for m in self.passed if m != "value")
-        refused = f"; forward mode refused ({self.refused})" if self.refused else ""
+        refused = "".join(f"; {mode} refused ({why})" for mode, why in self.refused.items())
         return f"{head}: ok ({modes}){refused}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"outer": self.outer, "inner": self.inner, "dtype": self.dtype, "ok": self.ok,
-                "passed": list(self.passed), "refused": self.refused, "failure": self.failure,
+                "passed": list(self.passed), "refused": dict(self.refused), "failure": self.failure,
                 "max_abs_diff": self.max_abs_diff}
 
 
-def _difference(got: Any, want: Any, dtype: str) -> tuple[float, str | None]:
+def _difference(got: Any, want: Any, dtype: str, tol: float) -> tuple[float, str | None]:
     """(max abs difference, why it fails or None)."""
     import abstractdiff as ad
 
@@ -89,16 +92,15 @@ def _difference(got: Any, want: Any, dtype: str) -> tuple[float, str | None]:
     if got.dtype != np.dtype(dtype) or got.shape != want.shape:
         return float("inf"), f"{got.dtype}{list(got.shape)} where {want.dtype}{list(want.shape)} was expected"
     diff = float(np.max(np.abs(got - want), initial=0.0))
-    tol = TOLERANCES[dtype]
     bad = not np.allclose(got, want, rtol=tol, atol=tol)
     return diff, (f"max abs diff {diff:.0e}" if bad else None)
 
 
-def _is_forward_refusal(err: Exception) -> bool:
-    """A refusal of forward mode through the boundary: ours, or jax's own TypeError for a custom_vjp."""
+def _is_refusal(err: Exception) -> bool:
+    """A refusal through the boundary (an adapter's CompositionError)."""
     from abstractdiff import CompositionError
 
-    return isinstance(err, CompositionError) or (isinstance(err, TypeError) and "forward" in str(err))
+    return isinstance(err, CompositionError)
 
 
 def check_pair(outer: Any, inner: Any, dtype: str = "float64") -> PairResult:
@@ -108,7 +110,7 @@ def check_pair(outer: Any, inner: Any, dtype: str = "float64") -> PairResult:
     Example:
         >>> from abstractdiff.testing._composition import check_pair
         >>> check_pair("autograd", "finite_differences", "float32").line()
-        'autograd over finite_differences: ok (gradient, pullback, pushforward)'
+        'autograd over finite_differences: ok (gradient, pullback, pushforward, hessian)'
     """
     import abstractdiff as ad
 
@@ -127,17 +129,21 @@ def check_pair(outer: Any, inner: Any, dtype: str = "float64") -> PairResult:
                              ad.gradient(b, lambda t: anp.sum(reference(t) * dy), x)),
         "pullback": lambda: (ad.pullback(b, f, x)(dy), ad.pullback(b, reference, x)(dy)),
         "pushforward": lambda: (ad.pushforward(b, f, x)(dx), ad.pushforward(b, reference, x)(dx)),
+        "hessian": lambda: (ad.hessian(b, lambda t: anp.sum(f(t) * dy), x),
+                            ad.hessian(b, lambda t: anp.sum(reference(t) * dy), x)),
     }
     for mode in MODES:
         try:
             got, want = checks[mode]()
         except Exception as err:
-            if mode == "pushforward" and _is_forward_refusal(err):
-                out.refused = type(err).__name__
+            if mode in REFUSABLE and _is_refusal(err):
+                out.refused[mode] = type(err).__name__
                 continue
             out.failure = f"{mode}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             return out
-        diff, why = _difference(got, want, dtype)
+        # differences of differences (an approximate kernel's Hessian) lose half the digits
+        tol = TOLERANCES[dtype] ** (0.5 if mode == "hessian" and kb.approximate else 1.0)
+        diff, why = _difference(got, want, dtype, tol)
         out.max_abs_diff = max(out.max_abs_diff, diff)
         if why is not None:
             out.failure = f"{why} ({mode})"
