@@ -521,6 +521,71 @@ class TorchBackend(Backend):
 
         return run
 
+    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
+        # torch has no dispatcher that compares a signature in C++; what a prepared
+        # gradient can skip is the layering (the check, the preparation, the flat run, the
+        # flat function: about 15 us of a 40 us overhead on the MLP workload, measured).
+        # One closure does the same steps when x's leaves and the arguments are tensors of
+        # the preparation's types, shapes and dtypes, with nothing static and no aux;
+        # anything else, or a call it does not recognise, takes the core's route (which
+        # says what changed).
+        signature, fn = prepared.signature, prepared.fn
+        n = fn.n_x_leaves
+        if (
+            self.compile
+            or prepared.operator not in ("value_and_gradient", "gradient")
+            or prepared.has_aux
+            or signature.static
+            or list(fn.diff_index) != list(range(n))
+            or list(fn.data_index) != list(range(n, n + len(data)))
+            or not all(type(a) is torch.Tensor for a in (*xs, *data))
+            or optree.tree_structure(tuple(data)) != fn.args_treedef
+        ):
+            return None
+        f_ref, x_treedef, n_args = fn._f, fn.x_treedef, len(data)  # f weakly, as the flat function holds it
+        raw = signature.x_raw + signature.data_raw
+        shapes = None if raw[0][0] is None else [shape for shape, _ in raw]  # None: any shape
+        dtypes = [dtype for _, dtype in raw]
+        with_value = prepared.operator == "value_and_gradient"
+        flatten, unflatten = optree.tree_flatten, optree.tree_unflatten
+        grad, zeros_like, tensor = torch.autograd.grad, torch.zeros_like, torch.Tensor
+        transform_active = torch._C._functorch.peek_interpreter_stack
+        grad_enabled = torch.is_grad_enabled
+        as_tensor, check_and_run = self._tensor, prepared.check_and_run
+
+        def direct(x: Any, *args: Any) -> Any:
+            leaves, treedef = flatten(x)
+            leaves += args
+            f = f_ref()
+            if not (
+                f is not None
+                and treedef == x_treedef
+                and len(args) == n_args
+                and all(type(t) is tensor and not t.requires_grad for t in leaves)
+                and [t.dtype for t in leaves] == dtypes
+                and (shapes is None or [t.shape for t in leaves] == shapes)
+                and transform_active() is None
+                and grad_enabled()
+            ):
+                return check_and_run(x, *args)
+            params = [t.detach().requires_grad_() for t in leaves[:n]]
+            try:
+                y = check_output(f(unflatten(x_treedef, params), *args))
+            except (TypeError, RuntimeError) as err:
+                _add_numpy_hint(err)
+                raise
+            if not isinstance(y, tensor):
+                y = as_tensor(y)
+            check_scalar(y)
+            if y.requires_grad:
+                grads = [zeros_like(p) if g is None else g for g, p in zip(grad(y, params, allow_unused=True), params)]
+            else:
+                grads = [zeros_like(p) for p in params]
+            g = unflatten(x_treedef, grads)
+            return (y.detach(), g) if with_value else g
+
+        return direct
+
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         # a torch.autograd.Function in the setup_context style: reverse mode, forward mode

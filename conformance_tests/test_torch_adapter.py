@@ -507,3 +507,64 @@ def test_gpu_matches_cpu(op, dtype):
     on_gpu = GPU_OPS[op](gpu, x)
     assert all(t.device.type == "cuda" for t in optree.tree_leaves(on_gpu) if isinstance(t, torch.Tensor))
     assert_close(on_gpu, GPU_OPS[op](ad.backend("torch"), x), GPU_RTOL[dtype], dtype)
+
+
+# ------------------------------------------------ prepared gradients: the direct closure
+def _mlp(params, inputs, targets):
+    h = torch.tanh(inputs @ params["w1"] + params["b1"])
+    return ((h @ params["w2"] - targets) ** 2).mean()
+
+
+def _mlp_inputs(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(4, 3, generator=g, dtype=dtype), "b1": torch.randn(3, generator=g, dtype=dtype),
+              "w2": torch.randn(3, 2, generator=g, dtype=dtype), "unused": torch.ones(2, dtype=dtype)}
+    return params, torch.randn(5, 4, generator=g, dtype=dtype), torch.randn(5, 2, generator=g, dtype=dtype)
+
+
+def test_prepared_gradient_of_a_parameter_dict_takes_the_direct_closure(b):
+    """A parameter dict and tensor arguments: one closure does the check and the gradient
+    (no layers); its results equal the core's route, an unconnected leaf's gradient is zeros."""
+    params, inputs, targets = _mlp_inputs()
+    prepared = ad.prepare_value_and_gradient(b, _mlp, params, inputs, targets)
+    assert prepared._direct is not None
+    y, g = prepared(params, inputs, targets)
+    y_ref, g_ref = prepared.check_and_run(params, inputs, targets)
+    assert not y.requires_grad and torch.equal(y, y_ref)
+    for k in params:
+        assert torch.equal(g[k], g_ref[k]) and not g[k].requires_grad
+    assert torch.equal(g["unused"], torch.zeros(2, dtype=torch.float64))
+    grads = ad.prepare_gradient(b, _mlp, params, inputs, targets)(params, inputs, targets)
+    assert all(torch.equal(grads[k], g[k]) for k in params)
+    assert all(not p.requires_grad for p in params.values())  # the caller's tensors untouched
+
+
+def test_direct_closure_refuses_what_the_core_refuses(b):
+    params, inputs, targets = _mlp_inputs()
+    prepared = ad.prepare_value_and_gradient(b, _mlp, params, inputs, targets)
+    with pytest.raises(ad.ShapeMismatchError, match="shape/dtype"):
+        prepared(params, inputs[:3], targets[:3])
+    with pytest.raises(ad.ShapeMismatchError, match="shape/dtype"):
+        prepared({k: v.float() for k, v in params.items()}, inputs, targets)
+    with pytest.raises(ad.ShapeMismatchError, match="structure"):
+        prepared({k: v for k, v in params.items() if k != "unused"}, inputs, targets)
+
+
+def test_direct_closure_hands_other_calls_to_the_core(b):
+    """Parameters that require grad (nn.Parameter), arguments in a graph and calls inside a
+    torch.func transform take the general route, with the same results."""
+    params, inputs, targets = _mlp_inputs()
+    prepared = ad.prepare_value_and_gradient(b, _mlp, params, inputs, targets)
+    _, want = prepared(params, inputs, targets)
+    as_parameters = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    _, got = prepared(as_parameters, inputs, targets)
+    assert all(torch.equal(got[k], want[k]) for k in params)
+    assert all(p.grad is None for p in as_parameters.values())  # never accumulated into .grad
+    w = inputs.clone().requires_grad_()
+    y, _ = prepared(params, w, targets)
+    (dw,) = torch.autograd.grad(y, w)  # the value stays differentiable in the arguments
+    assert dw.shape == w.shape
+    # inside a torch.func transform: the value still differentiable in the arguments
+    got = torch.func.grad(lambda i: prepared(params, i, targets)[0])(inputs)
+    want = torch.func.grad(lambda i: _mlp(params, i, targets))(inputs)
+    torch.testing.assert_close(got, want)
