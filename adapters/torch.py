@@ -533,6 +533,7 @@ class TorchBackend(Backend):
         n = fn.n_x_leaves
         if (
             self.compile
+            or fn._x_leaf  # one tensor: the core's check is as lean already, without optree
             or prepared.operator not in ("value_and_gradient", "gradient")
             or prepared.has_aux
             or signature.static
