@@ -116,8 +116,9 @@ class DistributedError(AbstractDiffError, RuntimeError):
 
 
 class CompositionError(AbstractDiffError, NotImplementedError):
-    """A composition of libraries abstractdiff cannot differentiate: a second derivative
-    through :func:`abstractdiff.differentiate_with`'s boundary, or a pair with no route."""
+    """A composition of libraries abstractdiff cannot differentiate: a derivative
+    :func:`abstractdiff.differentiate_with`'s boundary does not carry (a third one, a second
+    one from jax or tensorflow code), or a pair with no route."""
 
 
 class NonFiniteInputError(AbstractDiffError, ValueError):

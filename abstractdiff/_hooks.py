@@ -334,9 +334,11 @@ class AdapterHooks:
         this library can differentiate: its value is ``kernel.value``, its pullback
         ``kernel.vjp`` and (where this library has forward mode) its pushforward
         ``kernel.jvp``, each on numpy vectors, wired in through the library's own
-        custom-derivative mechanism (``torch.autograd.Function``, ``jax.custom_vjp``...).
+        custom-derivative mechanism (``torch.autograd.Function``, ``jax.custom_jvp``...).
         What :func:`abstractdiff.differentiate_with` calls when this library's code calls
-        a kernel written for another.  A derivative of the derivative must raise
+        a kernel written for another.  Where the mechanism can carry them, the pullback and
+        pushforward are differentiable in turn with ``kernel.second_vjp`` and
+        ``kernel.second_jvp``; any derivative not carried must raise
         :class:`~abstractdiff.CompositionError`, never come out silently zero.
         """
         from ._errors import CompositionError
