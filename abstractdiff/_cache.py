@@ -10,14 +10,17 @@ several threads.  :class:`WeakLRU` is that, written once.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
+import numpy as np
+
 V = TypeVar("V")
 
-__all__ = ["WeakLRU"]
+__all__ = ["WeakLRU", "array_fingerprint", "value_key"]
 
 
 class _Entry(Generic[V]):
@@ -133,3 +136,72 @@ class WeakLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+# ------------------------------------------------------------------ the keying policy
+#: Python values compared by value; a float by its exact bits (-0.0 is not 0.0, a NaN
+#: equals itself), so that two values that give different results never share a key.
+_EXACT = (bool, int, str, bytes, complex, type(None))
+_MAX_DEPTH = 6
+
+
+def array_fingerprint(a: np.ndarray) -> tuple:
+    """``(ndarray, dtype, shape, digest)``: a numpy array's content key, of any size.
+
+    The digest is BLAKE2b (128 bits) of the array's bytes in C order, so two arrays share a
+    fingerprint only if they hold the same bytes, short of a cryptographic collision: no size
+    above which the content is ignored.  Strides do not matter (a transposed view and its
+    copy key alike), dtype and shape do.
+    """
+    data = np.ascontiguousarray(a)
+    return (np.ndarray, a.dtype.str, a.shape, hashlib.blake2b(data.view(np.uint8).reshape(-1), digest_size=16).digest())
+
+
+def value_key(value: Any, alive: list[Any] | None = None, *, native: Callable[[Any], Any] | None = None,
+              _depth: int = 0) -> Hashable:
+    """The cache key of a value that a cached result depends on: abstractdiff's one keying policy.
+
+    Every cache that holds a plan, a sparsity pattern, a kernel or a compiled artefact keys the
+    values it does not differentiate with this function:
+
+    * Python numbers, strings, bytes, booleans and ``None`` exactly, as ``(type, value)``
+      (``1``, ``1.0`` and ``True`` differ; floats by their bits: ``-0.0`` is not ``0.0``);
+    * numpy scalars and arrays by content (:func:`array_fingerprint`), whatever their size;
+    * tuples, lists and dicts element by element (dict keys sorted by their own key);
+    * another library's array by content too, when ``native`` is given: ``native(value)``
+      returns it as numpy, or ``None`` where it cannot (a traced value inside a compiled
+      function), which falls back to identity;
+    * any other object (a function, a model, a config object) by identity: it is appended to
+      ``alive``, which the caller holds weakly alongside the key, so that a new object that
+      reuses a dead one's ``id`` never finds its entry.  Never ``repr``: a ``__repr__`` may
+      hide the fields that change the result.
+
+    Example:
+        >>> value_key(1.0) == value_key(1)
+        False
+        >>> value_key(np.arange(5)) == value_key(np.arange(5)), value_key(np.arange(5)) == value_key(np.arange(5)[::-1])
+        (True, False)
+    """
+    kind = type(value)
+    if kind is float or isinstance(value, float):
+        return (kind, float.hex(float(value)))
+    if isinstance(value, _EXACT):
+        return (kind, value)
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return array_fingerprint(value)
+    if isinstance(value, np.generic):
+        return (kind, value.dtype.str, value.tobytes())
+    if _depth < _MAX_DEPTH:
+        if kind in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+            return (kind, tuple(value_key(v, alive, native=native, _depth=_depth + 1) for v in value))
+        if kind is dict:
+            items = [(value_key(k, alive, native=native, _depth=_depth + 1), v) for k, v in value.items()]
+            items.sort(key=lambda kv: repr(kv[0]))  # the keys' own keys (exact), in a stable order
+            return (dict, tuple((k, value_key(v, alive, native=native, _depth=_depth + 1)) for k, v in items))
+    if native is not None:
+        as_numpy = native(value)
+        if isinstance(as_numpy, np.ndarray) and as_numpy.dtype != object:
+            return ("native", kind, array_fingerprint(as_numpy))
+    if alive is not None:
+        alive.append(value)
+    return ("id", id(value))

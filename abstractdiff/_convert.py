@@ -44,3 +44,16 @@ def to_numpy(tree: Any) -> Any:
         {'w': array([1., 1.]), 'n': 3}
     """
     return optree.tree_map(_leaf_to_numpy, tree)
+
+
+def content_of(a: Any) -> np.ndarray | None:
+    """``a``'s values as a numpy array, for keying a cache on them (:func:`abstractdiff._cache.value_key`'s
+    ``native``), or ``None`` when ``a`` is no array or has no concrete values (a jax tracer
+    inside ``jit``, a symbolic PyTensor variable): the caller then keys it by identity."""
+    if isinstance(a, (np.ndarray, np.generic)):
+        return np.asarray(a)
+    try:
+        out = _leaf_to_numpy(a)
+    except Exception:  # a traced value: no concrete content to key on
+        return None
+    return out if isinstance(out, np.ndarray) else None
