@@ -75,6 +75,7 @@ from ._prepare import (  # already imported by the backend module: nothing to de
     prepare_value_gradient_and_hessian,
 )
 from ._registry import available_backends, backend, register_backend, registered_backends
+from ._scope import scope
 from ._tree import register_pytree_node
 
 __version__ = "0.1.0"
@@ -119,6 +120,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AbstractDiffError",
+    "scope",
     "ArgumentTypeError",
     "Batch",
     "DataParallel",

@@ -143,6 +143,10 @@ class Backend(DerivedOperators):
         registry = foreign_container(leaf)
         if registry is None and self.is_pytree_node(leaf):
             registry = f"the {self.name} library's own pytree registry"
+        if registry is None:  # another imported library's registry (jax.tree_util on the torch backend)
+            from ._registry import pytree_registry_of
+
+            registry = pytree_registry_of(leaf)
         if registry is not None:
             raise unflattened_container_error(leaf, where, registry)
 

@@ -10,8 +10,8 @@ What is compared:
 
 * Python numbers, strings, bytes, booleans and ``None`` by value (floats by their exact
   bits), tuples of them element by element;
-* numpy arrays by content when small (up to :data:`CONTENT_LIMIT` elements), larger ones
-  by identity;
+* numpy arrays by content, whatever their size (:func:`abstractdiff._cache.array_fingerprint`,
+  the one keying policy: no size above which an in-place change goes unseen);
 * any other object (another library's array, a function, a model) by identity; such an
   object is also returned in ``alive``, held weakly by the plan, so that a new object
   that reuses a dead one's ``id`` cannot find its plan;
@@ -20,7 +20,7 @@ What is compared:
   library's functions are compared by identity only.
 
 Not seen: values reached through attributes (``self.scale``, ``config.lr``) or inside
-mutable containers (a dict's entries), and large numpy arrays changed in place.  Pass
+mutable containers (a dict's entries).  Pass
 such values to ``f`` as arguments: arguments are traced inputs, never frozen.
 
 Computing the key walks the function's code, globals and closures (a few microseconds).
@@ -39,16 +39,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["CONTENT_LIMIT", "CaptureGuard", "capture_guard", "captures"]
+from ._cache import array_fingerprint
 
-#: numpy arrays up to this many elements are compared by content, larger ones by identity.
-CONTENT_LIMIT = 4096
+__all__ = ["CaptureGuard", "CaptureWatch", "capture_guard", "captures"]
+
 _MAX_DEPTH = 3
 _SCALARS = (bool, int, str, bytes, complex, type(None))
 
 
-def _array_key(value: np.ndarray) -> tuple:
-    return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+_array_key = array_fingerprint
 
 
 def _value_key(
@@ -68,7 +67,7 @@ def _value_key(
         return (type(value), value.tobytes())
     if isinstance(value, tuple) and depth < _MAX_DEPTH:
         return (tuple, tuple(_value_key(v, alive, depth + 1, seen, module, guard) for v in value))
-    if isinstance(value, np.ndarray) and value.size <= CONTENT_LIMIT and value.dtype != object:
+    if isinstance(value, np.ndarray) and value.dtype != object:
         key = _array_key(value)
         if guard is not None:
             guard._add_array(value, key)
@@ -298,3 +297,47 @@ def capture_guard(f: Callable[..., Any]) -> CaptureGuard | None:
     guard = CaptureGuard()
     _function_key(f, [], 0, set(), guard)
     return None if guard.refused or guard._code is None else guard
+
+
+class CaptureWatch:
+    """Whether a function still reads the values from its globals and closures that it read
+    when the watch was made: the check a prepared operator makes on each call on a backend
+    that reuses traces (a changed value must give a new trace, as it does for an unprepared
+    call).  A plain function's :class:`CaptureGuard` where identities can vouch for the key
+    (a handful of identity tests), else the full :func:`captures` key compared on each call
+    (a few microseconds), with the objects it names held weakly: one that dies makes the
+    watch report a change, since its ``id`` may be reused.
+
+    Example:
+        >>> SCALE = 2.0
+        >>> f = lambda x: SCALE * x
+        >>> watch = CaptureWatch(f)
+        >>> watch.unchanged(f)
+        True
+        >>> SCALE = 5.0
+        >>> watch.unchanged(f)
+        False
+    """
+
+    __slots__ = ("_guard", "_key", "_refs", "_dead")
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self._guard = capture_guard(f)
+        self._key: Any = None
+        self._refs: list[Any] = []
+        self._dead = False
+        if self._guard is None:
+            self._key, alive = captures(f)
+            for obj in alive:
+                try:
+                    self._refs.append(weakref.ref(obj, self._expire))
+                except TypeError:  # held strongly: its id cannot be reused while held
+                    self._refs.append(obj)
+
+    def _expire(self, _ref: Any) -> None:
+        self._dead = True
+
+    def unchanged(self, f: Callable[..., Any]) -> bool:
+        if self._guard is not None:
+            return self._guard.unchanged(f)
+        return not self._dead and captures(f)[0] == self._key

@@ -11,8 +11,14 @@ each call, checks that structure, shapes, dtypes and static leaves still match t
 preparation (:class:`~abstractdiff.ShapeMismatchError` otherwise: never silently
 wrong) before running it.  One code path, so the two cannot drift apart.
 
-A prepared operator freezes ``f`` as it is at preparation: a compiled backend traced it
-then, so values ``f`` reads from globals or closures are those of that moment.
+What a prepared operator freezes: the *form* of its inputs (structure, shapes, dtypes
+and static leaves), which each call checks.  It freezes nothing of ``f``: like the
+unprepared operator, and like ``f`` itself, each call sees the values ``f`` reads from its
+globals and closures at that call, on every backend.  An eager backend reads them anyway;
+on a backend that reuses traces (``reuses_traces``: jax ``jit``, ``tf.function``,
+PyTensor, ``compile=True``) each call checks a :class:`~abstractdiff._captures.CaptureWatch`
+and prepares again (a new trace) when a value changed.  Not seen, as by ``jax.jit``:
+values reached through attributes or inside mutable containers; pass those as arguments.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import optree
 
 from ._arrays import check_scalar, dtype_name, shape_of
 from ._batch import Batch, BatchedPullback, BatchedPushforward
+from ._captures import CaptureWatch
 from ._errors import ShapeMismatchError
 from ._tree import _LEAF_ARRAY_TYPES, _LEAF_TREEDEF, FlatFunction, _static_key, is_array
 
@@ -309,6 +316,14 @@ def _signature(leaf: Any) -> tuple[Any, ...]:
     return (shape_of(leaf), dtype_name(leaf))
 
 
+#: What a float64 input that arrives as float32 most likely means, and its fix.
+_NARROWED = (
+    "(a float64 array that became float32: on jax with x64 off, arithmetic on float64 results "
+    "outside the operators, such as p - lr * g, silently computes in float32; do it inside "
+    "`with ad.scope(p, g): ...` to keep float64, rather than preparing again for float32)"
+)
+
+
 class Signature:
     """Structure, shapes, dtypes and static leaves of ``(x, args)`` at preparation.
 
@@ -367,7 +382,10 @@ class Signature:
                 if shape is None and isinstance(got, tuple):
                     got = (sig[0], got[1])  # any shape: the dtype decides
                 if got != sig:
-                    raise self.mismatch(f"{self._where(i)} of shape/dtype", sig, got)
+                    error = self.mismatch(f"{self._where(i)} of shape/dtype", sig, got)
+                    if sig[1] == "float64" and isinstance(got, tuple) and got[1] == "float32":
+                        error = ShapeMismatchError(f"{error} {_NARROWED}")
+                    raise error
             out.append(convert(leaf))
         return out
 
@@ -416,10 +434,23 @@ class Prepared:
 
     def __init__(self, b: Any, f: Callable[..., Any], x: Any, args: tuple, has_aux: bool = False):
         backend = _backend(b)
-        fn, xs, data = backend.flatten(f, x, args, has_aux)
+        self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
+        self._prepare_for(backend, x, args, has_aux)
+
+    def _prepare_for(self, backend: Any, x: Any, args: tuple, has_aux: bool) -> None:
+        # The watch is made before the plan: a value that changes meanwhile makes it report a change.
+        self._watch = CaptureWatch(self.f) if backend.reuses_traces else None
+        fn, xs, data = backend.flatten(self.f, x, args, has_aux)
         self._setup(backend, backend.preparation(PREPARATIONS[self.operator], fn, xs, data), x, args, xs, data,
                     has_aux, None)
-        self.f = f  # fn holds f weakly (so the plan cache can drop it); the prepared operator keeps it
+
+    def _fresh(self, x: Any, args: tuple) -> None:
+        """Prepare again where ``f`` reads other values from its globals and closures than the
+        trace it was prepared with holds (see the module docstring): the inputs must still
+        have the prepared form, and the new preparation is that of the same form."""
+        if self._watch is not None and not self._watch.unchanged(self.f):
+            self.signature.check(x, args)  # another form is refused as before, whatever f reads
+            self._prepare_for(self.backend, x, args, self.has_aux)
 
     @classmethod
     def for_unprepared(
@@ -442,6 +473,7 @@ class Prepared:
         )
         self._setup(backend, preparation, x, args, xs, data, has_aux, replan, given)
         self.f = None
+        self._watch = None  # the unprepared operator checks f's capture guard itself
         return self
 
     def _setup(
@@ -462,6 +494,8 @@ class Prepared:
         self.call: Callable[..., Any] = self._direct if self._direct is not None else self.check_and_run
 
     def __call__(self, x: Any, *args: Any) -> Any:
+        if self._watch is not None:
+            self._fresh(x, args)
         return self.call(x, *args)
 
     def check_and_run(self, x: Any, *args: Any) -> Any:
@@ -576,6 +610,8 @@ class PreparedHvp(Prepared):
         super().__init__(b, f, x, args)
 
     def __call__(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
+        if self._watch is not None:
+            self._fresh(x, args)
         return self.call(x, v, *args)
 
     def check_and_run(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
@@ -618,8 +654,9 @@ def prepare_value_and_gradient(b: Any, f: Callable[..., Any], x: Any, *args: Any
     ``vg(x, *args) -> (y, g)``.  All per-function work (flattening plans, tracing and
     compilation on compiled backends) happens here; each call checks that structure,
     shapes, dtypes and static leaves still match and raises
-    :class:`~abstractdiff.ShapeMismatchError` when they do not.  ``f`` is frozen at
-    preparation (a compiled backend traced it then).
+    :class:`~abstractdiff.ShapeMismatchError` when they do not.  Nothing of ``f`` is
+    frozen: each call sees the values ``f`` reads from globals and closures at that call,
+    on every backend (a compiled backend traces again when one changed).
 
     Example:
         >>> import abstractdiff as ad, numpy as np

@@ -368,6 +368,26 @@ def _find_owner(obj: Any) -> Backend | None:
     return None
 
 
+def pytree_registry_of(obj: Any) -> str | None:
+    """Which imported library's own pytree registry knows ``obj``'s class as a container
+    (a class registered with ``jax.tree_util``), or ``None``.
+
+    Asked of the adapters whose library is already imported (so it imports nothing new),
+    when a plan meets a static leaf of a class abstractdiff does not flatten: on any
+    backend, such a leaf would otherwise silently get no gradient.
+    """
+    for name, entry in list(_registry.items()):
+        if not entry.requires or not all(m in sys.modules for m in entry.requires):
+            continue
+        b = _quiet_backend(name)
+        try:
+            if b is not None and b.is_pytree_node(obj):
+                return f"the {name} library's own pytree registry"
+        except Exception:  # noqa: BLE001  an adapter that cannot answer for a foreign object does not know it
+            continue
+    return None
+
+
 def backend_for(obj: Any) -> Backend | None:
     """The backend whose library ``obj`` (an array, a traced value, a variable, a model)
     belongs to, or ``None`` for numpy and objects no backend claims.

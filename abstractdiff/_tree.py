@@ -364,18 +364,34 @@ def check_output(y: Any) -> Any:
             "pass like=x (autoray.do('concatenate', [data, x], like=x)) or convert the numpy data "
             "with the backend first (b.asarray(data))"
         )
-    if is_complex_dtype(dtype):
-        raise InvalidOutputError(
-            f"f returned a complex array ({dtype}); abstractdiff differentiates real functions only, "
-            f"and would silently drop the imaginary part: return the real and imaginary parts as "
-            f"separate real outputs (e.g. stack them), or a real function of them such as abs(y)**2"
-        )
+    if not is_float_dtype(dtype):
+        if is_complex_dtype(dtype):
+            raise InvalidOutputError(
+                f"f returned a complex array ({dtype}); abstractdiff differentiates real functions only, "
+                f"and would silently drop the imaginary part: return the real and imaginary parts as "
+                f"separate real outputs (e.g. stack them), or a real function of them such as abs(y)**2"
+            )
+        raise _discrete_output(dtype_text(dtype))
     return y
+
+
+def _discrete_output(dtype: str) -> InvalidOutputError:
+    # A bool or integer output is piecewise constant: libraries answer with a zero derivative
+    # (autograd, tensorflow, MLX, PyTensor) or with an error of their own (jax, torch, paddle).
+    # Neither is what was meant, and a zero Jacobian is silently wrong for a comparison that
+    # stands for a relaxed one (x > 0 for a sigmoid); one error everywhere.
+    return InvalidOutputError(
+        f"f returned an array of dtype {dtype}, which has no derivative (a {dtype} output is piecewise "
+        f"constant: comparisons, rounding, argmax); differentiate a floating-point output instead, e.g. "
+        f"cast a mask to float (anp.where(x > 0, 1.0, 0.0)) or use a smooth relaxation such as a sigmoid"
+    )
 
 
 def _scalar_output(y: Any) -> Any:
     if isinstance(y, (int, float)) and not isinstance(y, bool):
         return np.asarray(y, dtype=np.float64)
+    if isinstance(y, (bool, np.bool_)):
+        raise _discrete_output("bool")
     if isinstance(y, complex):
         raise InvalidOutputError(
             "f returned a Python complex number; abstractdiff differentiates real functions only: "
