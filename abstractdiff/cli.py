@@ -449,15 +449,23 @@ def _cell(row: dict[str, Any] | None) -> str:
 
 
 def _table(reports: list[Any]) -> str:
-    from abstractdiff.testing._check import COLUMNS
+    from abstractdiff.testing._check import COLUMNS, operator_rows
 
-    merged: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    # One row per (backend, device, dtype) of the *results*: the switching family, run in the
+    # first dtype's job, adds steps of the other dtype, which belong to that dtype's row.
+    grouped: dict[tuple[str, str, str], list[Any]] = {}
     seconds: dict[tuple[str, str, str], float] = {}
-    for rep in reports:  # one row per (backend, device, dtype)
-        dtype = rep.results[0].dtype if rep.results else "-"
-        key = (rep.backend, rep.device, dtype)
-        merged[key] = rep.by_operator()
-        seconds[key] = rep.seconds
+    for rep in reports:
+        own = (rep.backend, rep.device, rep.results[0].dtype if rep.results else "-")
+        grouped.setdefault(own, [])
+        seconds[own] = seconds.get(own, 0.0) + rep.seconds
+        for r in rep.results:
+            key = (rep.backend, rep.device, r.dtype)
+            grouped.setdefault(key, []).append(r)
+            if key != own:  # the job's time, split by where its results belong
+                seconds[key] = seconds.get(key, 0.0) + r.seconds
+                seconds[own] -= r.seconds
+    merged = {key: operator_rows(results) for key, results in grouped.items()}
     ops = [op for op in COLUMNS if any(op in rows for rows in merged.values())]
     names = [f"{b} {t}" + ("" if d == "cpu" else f" [{d}]") for b, d, t in merged]
     width = max([len("backend")] + [len(n) for n in names])
@@ -479,7 +487,7 @@ def _agreement_lines(dtype: str, agreement: Any, approximate: Collection[str] = 
     """
     pairs: dict[str, dict[str, Any]] = {}
     for r in agreement.results:
-        if r.dtype != dtype and r.ok:  # a passing switching step of the other dtype: not this line's figure
+        if r.dtype != dtype:  # a switching step of the other dtype: that dtype's figure, not this line's
             continue
         p = pairs.setdefault(r.backend, {"ok": True, "max": None, "n": 0, "failed": 0})
         p["ok"] = p["ok"] and r.ok

@@ -403,3 +403,16 @@ def test_check_composition_passing_and_failing_pairs(capsys, clean_registry):
     assert lines[-1].startswith("FAIL: ")  # (the wrong backend's own conformance fails too)
     assert cli.main([*argv[:5], *argv[7:], "--no-composition"]) == 0
     assert not any(line.startswith("  composition: ") for line in capsys.readouterr().out.splitlines())
+
+
+def test_table_rows_speak_for_their_own_dtype():
+    # issue 24 item 8: a float64 job's switching steps of float32 belonged to its float64 row
+    rep = make_report("exact_a")
+    bad = testing.Result("exact_a", "cpu", "switching[float32]", "switching", "float32", "gradient", False,
+                         1e-3, 1e-5, 0.01, ["gradient: max relative error 1.00e-03 exceeds rtol 1e-05"])
+    rep.results.append(bad)
+    table = cli._table([rep]).splitlines()
+    f64 = next(line for line in table if line.startswith("exact_a float64"))
+    f32 = next(line for line in table if line.startswith("exact_a float32"))
+    assert "ok 0.0e+00" in f64 and "FAIL" not in f64
+    assert "FAIL 1.0e-03" in f32

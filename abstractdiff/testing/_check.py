@@ -41,6 +41,20 @@ NUMPY_INPUTS = "numpy_inputs"
 #: against the references and against the unprepared operator's results.
 PREPARED = "prepared"
 COLUMNS: tuple[str, ...] = (*OPERATORS, NUMPY_INPUTS, PREPARED)
+
+
+def operator_rows(results: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """``{operator: {"ok", "max_error", "seconds", "count", "failed"}}`` over ``results``, in :data:`COLUMNS` order."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        row = out.setdefault(r.operator, {"ok": True, "max_error": None, "seconds": 0.0, "count": 0, "failed": 0})
+        row["ok"] = row["ok"] and r.ok
+        row["failed"] += not r.ok
+        row["count"] += 1
+        row["seconds"] += r.seconds
+        if r.max_error is not None:
+            row["max_error"] = r.max_error if row["max_error"] is None else max(row["max_error"], r.max_error)
+    return {op: out[op] for op in COLUMNS if op in out} | {op: v for op, v in out.items() if op not in COLUMNS}
 #: How close a prepared result must be to the unprepared one (relative to max|reference|):
 #: they share one code path, so they differ at most by rounding of a recompiled function.
 PREPARED_RTOL = {"float64": 1e-12, "float32": 1e-6}
@@ -188,16 +202,7 @@ class Report:
 
     def by_operator(self) -> dict[str, dict[str, Any]]:
         """``{operator: {"ok", "max_error", "seconds", "count", "failed"}}`` over all scenarios."""
-        out: dict[str, dict[str, Any]] = {}
-        for r in self.results:
-            row = out.setdefault(r.operator, {"ok": True, "max_error": None, "seconds": 0.0, "count": 0, "failed": 0})
-            row["ok"] = row["ok"] and r.ok
-            row["failed"] += not r.ok
-            row["count"] += 1
-            row["seconds"] += r.seconds
-            if r.max_error is not None:
-                row["max_error"] = r.max_error if row["max_error"] is None else max(row["max_error"], r.max_error)
-        return {op: out[op] for op in COLUMNS if op in out} | {op: v for op, v in out.items() if op not in COLUMNS}
+        return operator_rows(self.results)
 
     def to_dict(self) -> dict[str, Any]:
         return {
