@@ -9,7 +9,7 @@ STAMP := $(VENV)/.abstractdiff-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test wheel-test lint docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --doctest-modules abstractdiff tests conformance_tests
+
+# The package as users install it: build the wheel, install it into a fresh virtualenv (the
+# backends borrowed from .venv through a .pth file, so nothing is downloaded again) and run
+# tests/wheel/smoke.py from outside the tree, where only the installed package can be imported.
+WHEEL_DIR := build/wheel-test
+wheel-test: $(STAMP)
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(WHEEL_DIR)/dist .
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet --no-deps --no-index $(WHEEL_DIR)/dist/abstractdiff-*.whl
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(WHEEL_DIR)/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/abstractdiff-deps.pth"
+	cd $(WHEEL_DIR) && PYTENSOR_FLAGS="$${PYTENSOR_FLAGS:-mode=FAST_COMPILE}" venv/bin/python $(CURDIR)/tests/wheel/smoke.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples

@@ -1,0 +1,105 @@
+"""Smoke checks of an *installed* abstractdiff (a wheel in a fresh virtualenv), run as a script.
+
+``make wheel-test`` builds the wheel, installs it into a new virtualenv that borrows the
+backends from the project's .venv, and runs this file from outside the source tree, so
+that ``import abstractdiff`` can only find the installed package: a subpackage missing
+from the wheel fails here (an editable install hides it).  Prints pytest's closing line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import numpy as np
+
+CHECKS = []
+
+
+def check(f):
+    CHECKS.append(f)
+    return f
+
+
+@check
+def imported_from_the_wheel():
+    import abstractdiff
+
+    here = os.path.dirname(abstractdiff.__file__)
+    assert "site-packages" in here, f"abstractdiff imported from {here}, not an installed package"
+    for sub in ("adapters", "optim", "testing"):
+        __import__(f"abstractdiff.{sub}")
+
+
+@check
+def operators_on_every_backend():
+    from autoray import numpy as anp
+
+    import abstractdiff as ad
+
+    names = [n for n in ad.available_backends() if n != "implicit"]
+    assert len(names) == 8, names
+    x = np.array([1.0, 2.0, 3.0])
+    for name in names:
+        g = ad.to_numpy(ad.gradient(name, lambda w: anp.sum(w**2), x))
+        np.testing.assert_allclose(g, 2 * x, rtol=1e-6, err_msg=name)
+        h = ad.to_numpy(ad.hessian(name, lambda w: anp.sum(w**3), x))
+        np.testing.assert_allclose(h, np.diag(6 * x), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@check
+def train_and_checkpoints():
+    import abstractdiff as ad
+    from abstractdiff import optim
+
+    def loss(model, xb, yb):
+        return (((xb @ model["w"]) - yb) ** 2).mean()
+
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(32, 3))
+    ys = xs @ np.array([[1.0], [-2.0], [0.5]])
+    model = {"w": np.zeros((3, 1))}
+    state = optim.setup(optim.Adam(0.1), model)
+    state, model = ad.train(loss, model, [(xs, ys)] * 50, state, backend="torch")
+    assert float(loss(ad.to_numpy(model), xs, ys)) < 0.1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        ad.save_checkpoint(path, state, model)
+        state2, model2 = ad.load_checkpoint(path, like=(state, model))
+    np.testing.assert_array_equal(ad.to_numpy(model2)["w"], ad.to_numpy(model)["w"])
+
+
+@check
+def testing_check_backend():
+    from abstractdiff import testing
+
+    report = testing.check_backend("autograd")
+    assert report.ok, report.table()
+
+
+@check
+def cli_check_autograd():
+    exe = os.path.join(os.path.dirname(sys.executable), "abstractdiff")
+    out = subprocess.run([exe, "check", "--backend", "autograd", "--no-training"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def main() -> int:
+    failed = 0
+    for f in CHECKS:
+        try:
+            f()
+            print(f"PASSED {f.__name__}")
+        except Exception:  # noqa: BLE001  every check runs and reports
+            failed += 1
+            print(f"FAILED {f.__name__}\n{traceback.format_exc()}")
+    print(f"{len(CHECKS) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
