@@ -23,6 +23,7 @@ values reached through attributes or inside mutable containers; pass those as ar
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, ClassVar
 
 import optree
@@ -316,6 +317,8 @@ def _signature(leaf: Any) -> tuple[Any, ...]:
     return (shape_of(leaf), dtype_name(leaf))
 
 
+_REFRESH_LOCK = threading.Lock()
+
 #: What a float64 input that arrives as float32 most likely means, and its fix.
 _NARROWED = (
     "(a float64 array that became float32: on jax with x64 off, arithmetic on float64 results "
@@ -450,7 +453,9 @@ class Prepared:
         have the prepared form, and the new preparation is that of the same form."""
         if self._watch is not None and not self._watch.unchanged(self.f):
             self.signature.check(x, args)  # another form is refused as before, whatever f reads
-            self._prepare_for(self.backend, x, args, self.has_aux)
+            with _REFRESH_LOCK:  # threads calling one prepared operator see one preparation at a time
+                if not self._watch.unchanged(self.f):
+                    self._prepare_for(self.backend, x, args, self.has_aux)
 
     @classmethod
     def for_unprepared(

@@ -391,7 +391,9 @@ def _scalar_output(y: Any) -> Any:
     if isinstance(y, (int, float)) and not isinstance(y, bool):
         return np.asarray(y, dtype=np.float64)
     if isinstance(y, (bool, np.bool_)):
-        raise _discrete_output("bool")
+        raise InvalidOutputError(
+            f"f must return an array (or a Python number), but it returned a bool: {_discrete_output('bool')}"
+        )
     if isinstance(y, complex):
         raise InvalidOutputError(
             "f returned a Python complex number; abstractdiff differentiates real functions only: "
