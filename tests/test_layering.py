@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 CORE = Path(__file__).resolve().parent.parent / "abstractdiff"
-LIBRARIES = ("torch", "jax", "jaxlib", "tensorflow", "tf", "keras", "tf_keras", "autograd")
+LIBRARIES = (
+    "torch", "jax", "jaxlib", "tensorflow", "tf", "keras", "tf_keras", "autograd", "mlx", "paddle", "pytensor",
+)
 
 
 def _core_files() -> list[Path]:
