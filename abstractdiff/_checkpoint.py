@@ -307,8 +307,9 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
 
     ``load_checkpoint(path, like=(state, model)) -> (state, model)``.  Arrays come back
     as the library and device of the corresponding leaf of ``like`` (numpy, torch, jax,
-    tensorflow); a model holding variables is assigned in place and returned.  The whole
-    file is checked first: structure, paths, shapes and dtypes must match ``like``
+    tensorflow); a model holding variables is assigned in place and returned, and the
+    returned state belongs to it (``optim.update`` accepts that model's variables).  The
+    whole file is checked first: structure, paths, shapes and dtypes must match ``like``
     exactly, otherwise nothing is assigned.
 
     Raises:
@@ -388,6 +389,8 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
     if implicit:
         for leaf, value in zip(leaves[n_state:], converted[n_state:]):
             optim.write(leaf.variable, value)
+        if state.implicit:  # the loaded state belongs to the model it was loaded into
+            state = state._replace(variables=optim.SetUpFor(optim.params_of(model)))
     else:
         model = optree.tree_unflatten(optree.tree_structure(model), converted[n_state:])
     return state, model

@@ -176,12 +176,18 @@ class DataParallel:
       arrays (same dtype and device). With a ``loss_fn`` that is a mean over the rows,
       this is exactly the full-batch mean gradient (and loss), also when ``n`` is not a
       multiple of the world size; ``uneven="error"`` refuses such batches instead;
-    - every process applies the same update, so the models stay identical.
+    - every process applies the same update, so the parameters stay identical;
+    - in implicit mode, the model's variables the optimiser does not train (buffers such
+      as BatchNorm's running mean and variance, which each process's forward pass
+      updates from its own rows, and frozen parameters) are then broadcast from rank 0,
+      as torch's ``DistributedDataParallel`` broadcasts buffers: every process ends each
+      step with an identical model, whose running statistics are rank 0's (not an
+      average over the processes; use a synchronised batch norm in the model for that).
 
     Before the first step (``state.step == 0``) the processes check that they train
-    the same model structure on batches of the same size, and rank 0's parameters are
-    broadcast to all. Checkpoints are written by rank 0 only (:meth:`save_checkpoint`);
-    every process loads the same file with ``ad.load_checkpoint``.
+    the same model structure on batches of the same size, and rank 0's parameters (and
+    buffers) are broadcast to all. Checkpoints are written by rank 0 only
+    (:meth:`save_checkpoint`); every process loads the same file with ``ad.load_checkpoint``.
 
     ``backend``: ``"gloo"`` (CPU), ``"nccl"`` (CUDA GPUs) or ``"auto"`` (NCCL where
     torch sees a GPU). ``timeout``: seconds a collective waits for a process that hangs

@@ -48,7 +48,8 @@ class ArgumentTypeError(AbstractDiffError, TypeError):
 
 
 class UnknownVariableError(AbstractDiffError, KeyError):
-    """``ad.Grads`` was asked for a variable that is not one of its parameters."""
+    """``ad.Grads`` was asked for a variable that is not one of its parameters, or an
+    optimiser state was given variables it was not set up for."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

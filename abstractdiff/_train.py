@@ -8,7 +8,6 @@ is a thin convenience over it (epochs, callbacks, a progress bar), returning the
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -21,6 +20,7 @@ from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
 from ._tree import is_array
+from .optim._state import _weak as _ref  # weak where the object allows it (see _BoundCache)
 
 if TYPE_CHECKING:
     from ._distributed import DataParallel
@@ -56,14 +56,6 @@ def _inner(b: Backend) -> Backend:
 def _convert_tree(b: Backend, tree: Any) -> Any:
     """Numpy (or other foreign) array leaves as ``b``'s native arrays; everything else as is."""
     return optree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
-
-
-def _ref(obj: Any) -> Callable[[], Any]:
-    """A weak reference to ``obj`` if it has one, else a strong one (see ``_BoundCache``)."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
 
 
 class _Bound:
@@ -160,18 +152,34 @@ def _non_finite(step: int, state: optim.OptState, model: Any, holding: str) -> N
     )
 
 
+def _untrained_state(model: Any, params: Any) -> list[Any]:
+    """The variables of ``model`` that the optimiser does not train: buffers (BatchNorm's
+    running statistics) and frozen parameters, as its library's ``model_state`` lists them."""
+    from ._checkpoint import _model_variables
+
+    trained = {id(p) for p in params}
+    return [v for _, v in _model_variables(model) if id(v) not in trained]
+
+
+def _broadcast_variables(dp: DataParallel, variables: list[Any]) -> None:
+    """Rank 0's values written into ``variables`` on every process (one collective per dtype)."""
+    for v, value in zip(variables, dp.broadcast([optim.read(v) for v in variables])):
+        optim.write(v, value)
+
+
 def _distributed_start(dp: DataParallel, model: Any, implicit: bool, n_rows: Any) -> Any:
     """Before the first step: the processes agree on the model and batch, and take rank 0's
-    parameters (written into the variables in implicit mode)."""
+    parameters (written into the variables in implicit mode, buffers and frozen ones too)."""
     from ._distributed import describe
 
-    values = [optim.read(p) for p in optim.params_of(model)] if implicit else None
-    dp.check_same("the model (structure, shapes, dtypes) and the batch size",
-                  [describe(values if implicit else model), n_rows])
     if implicit:
-        for p, value in zip(optim.params_of(model), dp.broadcast(values)):
-            optim.write(p, value)
+        params = list(optim.params_of(model))
+        variables = params + _untrained_state(model, params)
+        dp.check_same("the model (structure, shapes, dtypes) and the batch size",
+                      [describe([optim.read(v) for v in variables]), n_rows])
+        _broadcast_variables(dp, variables)
         return model
+    dp.check_same("the model (structure, shapes, dtypes) and the batch size", [describe(model), n_rows])
     leaves, treedef = optree.tree_flatten(model)
     arrays = iter(dp.broadcast([a for a in leaves if is_array(a)]))
     return optree.tree_unflatten(treedef, [next(arrays) if is_array(a) else a for a in leaves])
@@ -211,7 +219,10 @@ def train_step(
     ``distributed=ad.DataParallel()`` (in every process of a ``torchrun`` launch): each
     process takes its block of the batch's rows, the loss and gradients are averaged
     across processes before the update, and before the first step (``state.step == 0``)
-    rank 0's parameters are broadcast; see :class:`~abstractdiff.DataParallel`.
+    rank 0's parameters are broadcast.  In implicit mode the model's other variables
+    (buffers such as BatchNorm's running statistics, frozen parameters) are broadcast from
+    rank 0 before the first step and after every step, as torch's DDP broadcasts buffers,
+    so every process ends each step with identical models; see :class:`~abstractdiff.DataParallel`.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -252,6 +263,10 @@ def train_step(
             grads = Grads(params, values)
         check = _finite_check(step, state, model, loss, [grads[p] for p in params], "the variables hold the values")
         state, model = optim._apply(state, model, grads, check)
+        if distributed is not None:
+            # each process's forward pass updated its own buffers (BatchNorm's running
+            # statistics) from its own rows: rank 0's win, as in torch's DDP
+            _broadcast_variables(distributed, _untrained_state(model, params))
         return state, model, loss
     if state.implicit or optim.holds_variables(model):
         raise ModeMismatchError(

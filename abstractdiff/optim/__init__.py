@@ -50,6 +50,7 @@ from ._rules import (
 from ._state import (
     Frozen,
     OptState,
+    SetUpFor,
     _apply,
     _is_float_leaf,
     _is_grads,
@@ -97,4 +98,4 @@ __all__ = [
 
 # the helpers the training layer and checkpoints use (not public API)
 _INTERNAL = (_apply, _is_float_leaf, _is_grads, _is_params, _is_variable, arithmetic_scope, holds_variables,
-             params_of, read, write, x64_scope, Frozen, schedules)
+             params_of, read, write, x64_scope, Frozen, SetUpFor, schedules)

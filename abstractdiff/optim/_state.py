@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, NamedTuple
+import weakref
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import optree
 
+from .._arrays import shape_of
 from .._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     ModeMismatchError,
     NonDifferentiableInputError,
     ShapeMismatchError,
+    UnknownVariableError,
 )
 from .._tree import is_array, is_float_leaf, register_pytree_node
 from ._rules import Chain, Rule
@@ -56,15 +58,65 @@ register_pytree_node(Frozen, lambda f: ((), f.paths), lambda paths, _: Frozen(pa
 NOTHING_FROZEN = Frozen()
 
 
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj`` where it allows one, else a strong one."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+class SetUpFor:
+    """The variables an implicit-mode state was set up for, in ``ad.Params`` order, held weakly.
+
+    An optimiser's leaf states (Adam's moments) belong to the variables they were set up
+    for (Optimisers.jl: the state tree mirrors its model): :func:`update` refuses variables
+    that are not these very objects, even when they have the same shapes, rather than
+    handing one layer's moments to another.  A pytree node without children (like
+    :class:`Frozen`): checkpoints and ``ad.to_numpy`` keep it, and store nothing of it.
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self, variables: Any = ()):
+        self._refs = tuple(_weak(v) for v in variables)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def first_other(self, variables: list[Any]) -> int | None:
+        """The index of the first of ``variables`` that is not the one the state was set up
+        for (a collected one never matches), or ``None`` when all are."""
+        return next((i for i, (r, v) in enumerate(zip(self._refs, variables)) if r() is not v), None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SetUpFor) and len(other) == len(self) and other.first_other(
+            [r() for r in self._refs]) is None
+
+    def __hash__(self) -> int:
+        return len(self._refs)
+
+    def __repr__(self) -> str:
+        return f"SetUpFor({len(self._refs)} variables)"
+
+
+# itself as the metadata: a tf.Variable (unhashable) inside a weakref would make the treedef unhashable
+register_pytree_node(SetUpFor, lambda s: ((), s), lambda s, _: s)
+
+
+NOT_SET_UP_FOR_VARIABLES = SetUpFor()
+
+
 class OptState(NamedTuple):
     """What :func:`setup` returns and :func:`update` threads through training.
 
     ``rule``: the rule; ``step``: how many updates were applied; ``tree``: the leaf states,
     shaped like the model (explicit mode) or a list in ``ad.Params`` order (implicit mode);
     ``implicit``: which of the two; ``frozen``: the subtrees :func:`freeze` excluded from
-    updates.  ``step`` is also the count a scheduled hyperparameter sees (the first
-    update is step 0).  It is a pytree (a namedtuple), so ``ad.to_numpy`` and
-    checkpoints see its arrays and the step counter.
+    updates; ``variables``: in implicit mode, the variables the state belongs to (held
+    weakly, see :class:`SetUpFor`).  ``step`` is also the count a scheduled
+    hyperparameter sees (the first update is step 0).  It is a pytree (a namedtuple), so
+    ``ad.to_numpy`` and checkpoints see its arrays and the step counter.
     """
 
     rule: Rule
@@ -72,6 +124,7 @@ class OptState(NamedTuple):
     tree: Any
     implicit: bool = False
     frozen: Frozen = NOTHING_FROZEN
+    variables: SetUpFor = NOT_SET_UP_FOR_VARIABLES
 
 
 # ------------------------------------------------------------------ variables
@@ -132,45 +185,61 @@ def write(var: Any, value: Any) -> None:
 
 
 # ------------------------------------------------------------------ arithmetic scope
-@contextlib.contextmanager
-def arithmetic_scope(leaves: Any) -> Iterator[None]:
-    """The scopes the arrays' libraries need for arithmetic outside the operators.
+def arithmetic_scope(leaves: Any) -> Any:
+    """The scopes the arrays' libraries need for arithmetic outside the operators:
+    :func:`abstractdiff.scope` over ``leaves`` (jax's x64 mode for float64 jax arrays, which
+    would otherwise become float32); local, so no library's global configuration is ever
+    changed.  A no-op for numpy."""
+    from .._scope import scope
 
-    Each array's backend is found by its type and its ``scope`` hook entered (jax's x64
-    mode for float64 jax arrays, which would otherwise become float32); local, so no
-    library's global configuration is ever changed.  A no-op for numpy.
-    """
-    from .._registry import backend_for
-
-    owners: dict[int, tuple[Any, list]] = {}
-    for a in leaves:
-        if a is None or type(a) is np.ndarray or isinstance(a, (int, float)):
-            continue
-        b = backend_for(a)
-        if b is not None:
-            owners.setdefault(id(b), (b, []))[1].append(a)
-    with contextlib.ExitStack() as stack:
-        for b, arrays in owners.values():
-            stack.enter_context(b.scope(arrays))
-        yield
+    return scope(leaves)
 
 
 x64_scope = arithmetic_scope  # its older name
 
 
 def _is_float_leaf(a: Any) -> bool:
-    # the shared classification, for arrays only: a Python float in a model tree is left
-    # as it is (a float stays a float, rather than becoming a 0-d array)
-    return is_array(a) and is_float_leaf(a)
+    """A float array or a Python float: a leaf the operators differentiate (the shared
+    classification), and so a leaf the optimiser trains."""
+    return is_float_leaf(a)
+
+
+def _is_python_float(a: Any) -> bool:
+    # np.float64 subclasses float but is an array (shape, dtype): it is trained as one
+    return isinstance(a, float) and not is_array(a)
+
+
+def _leaf_for_state(x: Any) -> Any:
+    """What a rule's ``init`` sees: a Python float as a 0-d float64 array (its state is an
+    array, which checkpoints store and ``train_step`` moves to the backend)."""
+    return np.asarray(x, dtype=np.float64) if _is_python_float(x) else x
+
+
+def _like_gradient(a: Any, g: Any) -> Any:
+    """A Python float or numpy leaf state as an array of ``g``'s library and device, so the
+    rule computes where the gradient lives (numpy values stay numpy for numpy gradients)."""
+    from .._registry import backend_for
+
+    owner = backend_for(g)
+    if owner is None or not (isinstance(a, np.ndarray) or _is_python_float(a)):
+        return a
+    return owner.asarray_like(np.asarray(a, dtype=np.float64 if _is_python_float(a) else None), g)
+
+
+def _to_python_float(value: Any) -> float:
+    from .._convert import to_numpy
+
+    return float(to_numpy(value))
 
 
 # ------------------------------------------------------------------ setup / update
 def setup(rule: Rule, model: Any) -> OptState:
     """The initial optimiser state for ``model``: ``setup(rule, model) -> OptState``.
 
-    ``model`` is a pytree of arrays (explicit mode; float leaves get a state, other
-    leaves ``None``), or holds variables (implicit mode: an ``nn.Module``, a Keras
-    model, ``ad.variables(...)`` or ``ad.Params``).
+    ``model`` is a pytree of arrays (explicit mode; float leaves, Python floats included,
+    get a state, other leaves ``None``), or holds variables (implicit mode: an
+    ``nn.Module``, a Keras model, ``ad.variables(...)`` or ``ad.Params``; the state then
+    belongs to those very variables, see :class:`SetUpFor`).
 
     Example:
         >>> import numpy as np
@@ -186,12 +255,13 @@ def setup(rule: Rule, model: Any) -> OptState:
         )
     rule.at(0)  # a schedule that does not return a number fails here rather than mid-training
     if holds_variables(model):
-        values = [read(v) for v in params_of(model)]
+        params = list(params_of(model))
+        values = [read(v) for v in params]
         with arithmetic_scope(values):
-            return OptState(rule, 0, [rule.init(x) for x in values], True)
+            return OptState(rule, 0, [rule.init(x) for x in values], True, variables=SetUpFor(params))
     leaves, treedef = optree.tree_flatten(model)
     with arithmetic_scope(leaves):
-        states = [rule.init(x) if _is_float_leaf(x) else None for x in leaves]
+        states = [rule.init(_leaf_for_state(x)) if _is_float_leaf(x) else None for x in leaves]
     return OptState(rule, 0, optree.tree_unflatten(treedef, states), False)
 
 
@@ -206,6 +276,8 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
 
     Explicit mode (``grads`` shaped like the model): pure, returns new arrays and leaves
     the inputs untouched; ``None`` gradients (non-float leaves) leave the leaf as it is.
+    A Python float leaf is differentiated by the operators, so it is trained too, and
+    stays a Python float (its state is a 0-d array).
     Implicit mode (``grads`` an ``ad.Grads``): computes every new value first, then
     assigns them to the variables in place, and returns ``model`` itself.
 
@@ -270,6 +342,29 @@ def _step(
     return values, out_states
 
 
+def _python_floats_as_arrays(
+    leaves: list[Any], g_leaves: list[Any], s_leaves: list[Any], live: list[int]
+) -> tuple[list[Any], list[Any]]:
+    """The leaves and leaf states the rule computes with: each trained Python float, and its
+    state, as 0-d arrays of its gradient's library (``ad.gradient`` differentiates Python
+    floats, so they are trained like 0-d arrays and given back as Python floats)."""
+    xs, states = list(leaves), list(s_leaves)
+    for i in live:
+        if _is_python_float(leaves[i]):
+            g = g_leaves[i]
+            xs[i] = _like_gradient(leaves[i], g)
+            states[i] = optree.tree_map(lambda a, g=g: _like_gradient(a, g), s_leaves[i])
+    return xs, states
+
+
+def _as_leaf_type(new: Any, computed_from: Any, old: Any) -> Any:
+    """A Python float leaf stays a Python float (the rule computed it as a 0-d array); a
+    leaf the step left alone is the user's own object."""
+    if new is computed_from:
+        return old
+    return _to_python_float(new) if _is_python_float(old) else new
+
+
 def _update_explicit(
     state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
 ) -> tuple[OptState, Any]:
@@ -294,14 +389,33 @@ def _update_explicit(
     ]
     # the gradients too: numpy float64 leaves with jax float64 gradients compute in jax
     with arithmetic_scope([*leaves, *g_leaves]):
-        new_leaves, new_states = _step(state, leaves, g_leaves, s_leaves, live)
+        xs, s_leaves = _python_floats_as_arrays(leaves, g_leaves, s_leaves, live)
+        new_leaves, new_states = _step(state, xs, g_leaves, s_leaves, live)
         if check is not None:
-            check([v for v, x in zip(new_leaves, leaves) if v is not x])
+            check([v for v, x in zip(new_leaves, xs) if v is not x])
+    new_leaves = [_as_leaf_type(new, x, old) for new, x, old in zip(new_leaves, xs, leaves)]
     new_tree = optree.tree_unflatten(treedef, new_states)
     return (
         state._replace(step=state.step + 1, tree=new_tree, implicit=False),
         optree.tree_unflatten(treedef, new_leaves),
     )
+
+
+def _check_set_up_for(state: OptState, params: list[Any]) -> None:
+    """Refuse variables the state was not set up for: their optimiser state would be another
+    variable's (a state without that record, built by hand, is not checked)."""
+    if not len(state.variables):
+        return
+    i = state.variables.first_other(params)
+    if i is not None:
+        v = params[i]
+        raise UnknownVariableError(
+            f"optim.update: variable {i} of this model ({type(v).__name__} of shape {shape_of(v)}) is not the "
+            f"variable the optimiser state was set up for; a state belongs to the variables given to "
+            f"optim.setup (their moments and step counts), even when another model's have the same shapes. "
+            f"Call optim.setup(rule, model) for this model and keep one state per model (after "
+            f"ad.load_checkpoint, use the state and model it returns)"
+        )
 
 
 def _update_implicit(
@@ -313,6 +427,7 @@ def _update_implicit(
             f"optim.update: the state holds {len(state.tree)} variables but the model has {len(params)}; "
             f"call optim.setup(rule, model) for this model"
         )
+    _check_set_up_for(state, params)
     values = [read(v) for v in params]
     gs = [grads[v] for v in params]
     frozen = _frozen_leaves(state, [(i,) for i in range(len(params))])
