@@ -40,14 +40,15 @@ concatenated (one copy each way), and the copies that remain are each adapter's 
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, Callable
 
 import numpy as np
 import optree
 
 from ._arrays import ar, dtype_name, shape_of
-from ._errors import ArgumentTypeError, InvalidArgumentError, NonDifferentiableInputError
+from ._cache import WeakLRU, value_key
+from ._convert import content_of
+from ._errors import ArgumentTypeError, CompositionError, InvalidArgumentError, NonDifferentiableInputError
 from ._tree import is_float_leaf
 
 __all__ = ["DifferentiateWith", "ForeignKernel", "differentiate_with"]
@@ -64,7 +65,7 @@ class ForeignKernel:
     ``backend`` computes every derivative.
     """
 
-    def __init__(self, owner: DifferentiateWith, x: Any, args: tuple, in_dtype: str):
+    def __init__(self, owner: DifferentiateWith, x: Any, args: tuple, in_dtype: str, probe: np.ndarray | None):
         self.owner = owner
         self.backend = owner.backend
         leaves, self.x_treedef = optree.tree_flatten(x)
@@ -75,11 +76,7 @@ class ForeignKernel:
         self.in_size = sum(self.in_sizes)
         self.in_dtype = in_dtype
         self.args = args
-        # the output's structure: one evaluation at zeros (cached per input signature)
-        probe = self.backend.asarray(np.zeros(self.in_size, dtype=in_dtype))
-        with self.backend.scope([probe]), np.errstate(all="ignore"):
-            out = self._tree_out(probe)
-        out_leaves, self.out_treedef = optree.tree_flatten(out)
+        out_leaves, self.out_treedef = optree.tree_flatten(self._probe(probe))
         for leaf in out_leaves:
             if not is_float_leaf(leaf):
                 raise NonDifferentiableInputError(
@@ -96,6 +93,25 @@ class ForeignKernel:
         self._flat_fn = self._flat_out
         self._weighted_fn = self._weighted_out
         self._along_fn = self._along
+
+    def _probe(self, values: np.ndarray | None) -> Any:
+        """``f``'s output at the caller's ``x`` (flat ``values``), for its structure (cached per
+        input signature).  At the caller's own values, as ``f`` may refuse others (a kernel
+        that checks ``x > 0``); a traced ``x`` has none, so zeros stand in for them there."""
+        flat = np.zeros(self.in_size, dtype=self.in_dtype) if values is None else values
+        native = self.backend.asarray(flat)
+        try:
+            with self.backend.scope([native]), np.errstate(all="ignore"):
+                return self._tree_out(native)
+        except Exception as err:
+            if values is not None:
+                raise
+            raise CompositionError(
+                f"differentiate_with: f raised {type(err).__name__} ({err}) where abstractdiff evaluated it "
+                f"for its output's shapes: x is traced (inside jax.jit or another transformation), so "
+                f"zeros of x's shapes stood in for its values. Call g once with concrete x of these shapes "
+                f"first (outside jit: the output structure is then kept), or let f accept zeros"
+            ) from err
 
     # ------------------------------------------------------------- the kernel side
     def _rebuild(self, flat: Any) -> Any:
@@ -237,28 +253,36 @@ class DifferentiateWith:
         self.f = f
         self.backend = get_backend(backend)
         self.__abstractdiff_wrapped__ = f  # the stale-trace check looks through to f
-        self._kernels: dict[Any, ForeignKernel] = {}
-        self._lock = threading.Lock()
+        # kernels per input signature and argument values (the one keying policy); objects
+        # keyed by identity are held weakly (a kernel holds its args while it is cached)
+        self._kernels: WeakLRU[ForeignKernel] = WeakLRU(maxsize=64)
 
     def __repr__(self) -> str:
         return f"differentiate_with({getattr(self.f, '__qualname__', self.f)!r}, {self.backend.name!r})"
 
     def kernel(self, x: Any, args: tuple, in_dtype: str) -> ForeignKernel:
-        """The :class:`ForeignKernel` for ``x``'s structure, shapes and dtype (cached)."""
+        """The :class:`ForeignKernel` for ``x``'s structure, float shapes and dtype, and the
+        values of everything else: ``x``'s other leaves and ``args``, by
+        :func:`abstractdiff._cache.value_key` (arrays by content, other objects by identity)."""
         leaves, treedef = optree.tree_flatten(x)
+        static_alive: list[Any] = []
+        args_alive: list[Any] = []
         key = (
             treedef,
-            tuple((_shape(v), _dtype_text(v)) if is_float_leaf(v) else ("static", repr(v)) for v in leaves),
+            tuple((_shape(v), _dtype_text(v)) for v in leaves if is_float_leaf(v)),
+            value_key([v for v in leaves if not is_float_leaf(v)], static_alive, native=content_of),
             in_dtype,
-            tuple(map(repr, args)) if args else (),
+            value_key(args, args_alive, native=content_of),
         )
-        kernel = self._kernels.get(key)
+        _refuse_traced(self, static_alive, "a non-float leaf of x")
+        _refuse_traced(self, args_alive, "an argument after x")
+        objects = (self, *static_alive, *args_alive)  # the identity-keyed objects, held weakly by the cache
+        kernel = self._kernels.get(objects, key)
         if kernel is None:
-            kernel = ForeignKernel(self, _shapes_only(x), args, in_dtype)
-            with self._lock:
-                if len(self._kernels) > 64:
-                    self._kernels.clear()
-                self._kernels[key] = kernel
+            # copies of the arrays keyed by content: a later in-place write must not reach the kernel
+            kernel = ForeignKernel(self, _snapshot(self.backend, _shapes_only(x)), _snapshot(self.backend, args),
+                                   in_dtype, _flat_values(leaves, in_dtype))
+            self._kernels.put(objects, kernel, key)  # not stored when an object has no weak reference
         return kernel
 
     def __call__(self, x: Any, *args: Any) -> Any:
@@ -298,6 +322,54 @@ class DifferentiateWith:
         return kernel.split(foreign(flat))
 
 
+def _refuse_traced(owner: DifferentiateWith, keyed_by_identity: list, what: str) -> None:
+    """Refuse a traced array among the values the kernel closes over (an array that
+    :func:`~abstractdiff._cache.value_key` could only key by identity has no values): they are
+    needed when the kernel runs (a callback), and only x's float leaves cross the boundary."""
+    from ._registry import backend_for
+
+    for v in keyed_by_identity:
+        lib = backend_for(v)
+        if lib is not None and lib.is_native(v):
+            raise CompositionError(
+                f"{owner!r}: {what} is a traced {lib.name} value ({type(v).__name__}, inside jax.jit or "
+                f"another transformation), but the kernel needs its values: only x's float leaves cross the "
+                f"boundary as traced operands. Pass that data as a concrete array (numpy, or computed outside "
+                f"the transformation and closed over), or make it a float leaf of x (it then also gets a "
+                f"gradient)"
+            )
+
+
+def _snapshot(kernel_backend: Any, tree: Any) -> Any:
+    """``tree`` with its arrays copied: numpy's and the kernel library's as they are, another
+    library's (the caller's data) as the kernel library's arrays, which ``f`` is written for."""
+    from ._registry import backend_for
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            return v.copy()
+        lib = backend_for(v)
+        if lib is None or not lib.is_native(v):
+            return v
+        if lib.name == kernel_backend.name:
+            return lib.snapshot(v)
+        return kernel_backend.asarray(np.array(content_of(v)))
+
+    return optree.tree_map(leaf, tree)
+
+
+def _flat_values(leaves: list, dtype: str) -> np.ndarray | None:
+    """x's float leaves as one flat numpy vector, or ``None`` where one is traced (no values)."""
+    parts = []
+    for v in leaves:
+        if is_float_leaf(v):
+            values = np.asarray(v) if isinstance(v, float) else content_of(v)
+            if values is None:
+                return None
+            parts.append(np.reshape(values, (-1,)).astype(dtype, copy=False))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
 def _split_numpy(kernel: ForeignKernel, flat: np.ndarray) -> Any:
     leaves, start = [], 0
     for shape, size, dtype in zip(kernel.out_shapes, kernel.out_sizes, kernel.out_dtypes):
@@ -326,8 +398,11 @@ def differentiate_with(f: Callable[..., Any], backend: Any) -> DifferentiateWith
     ``backend`` and gives the caller's library the pullback and pushforward of ``f``,
     both computed by ``backend``, through its own custom-derivative mechanism.  Outside
     any differentiation it is ``f`` converted to and from the caller's array type.  ``x``
-    is a pytree whose float leaves share one dtype; ``args`` are passed to ``f`` as they
-    are (not differentiated); ``f`` returns a float array or a pytree of them.
+    is a pytree whose float leaves share one dtype; ``args`` are passed to ``f`` (not
+    differentiated), another library's arrays among them as ``backend``'s arrays; they must be
+    concrete (not traced inside ``jax.jit``: a :class:`~abstractdiff.CompositionError` says
+    so); ``f`` returns a float array or a pytree of them.  The kernels are cached per input
+    signature and per value of the arguments (arrays by content, other objects by identity).
 
     Example:
         >>> import abstractdiff as ad, numpy as np

@@ -11,8 +11,11 @@ same way when batched pullbacks need fewer calls.  Hessians: column coloring of 
 The pattern comes from :func:`abstractdiff.jacobian_sparsity` /
 :func:`abstractdiff.hessian_sparsity` (or the user's ``sparsity=``), the coloring from
 networkx's greedy coloring of the column intersection graph.  Both are computed once per
-flat function and input shapes (at preparation for ``ad.prepare_jacobian``), so each
-call is the compressed products plus a gather.
+flat function, input shapes and *values of the data arguments* and of what ``f`` reads from
+globals and closures (a detected pattern depends on everything that is not differentiated:
+``take(x, idx)`` has another pattern for another ``idx``), so each call with the same data is
+the compressed products plus a gather.  A
+prepared operator detects at preparation, and again whenever a call's data differ.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ import numpy as np
 
 from ._arrays import ar, dtype_name, shape_of, size_of
 from ._backend import Backend
+from ._cache import value_key
+from ._captures import captures
+from ._convert import content_of
 from ._derived import GradientFunction, PackedInput
 from ._errors import ArgumentTypeError, InvalidArgumentError, ShapeMismatchError, SparsityPatternError
 from ._hooks import HOOKS
 from ._prepare import HessianPrep, JacobianPrep, Preparation
 from ._second_order import _forwarded
 from ._sparsity import flat_hessian_sparsity, flat_jacobian_sparsity
-from ._tree import PlanCache, artefacts
+from ._tree import FlatFunction, PlanCache, artefacts
 
 __all__ = ["Sparse", "color_columns"]
 
@@ -114,6 +120,7 @@ class _Plan:
 
     def __init__(self, pattern: Any, mode: str, colors: np.ndarray, what: str, given: bool):
         self.pattern, self.mode, self.colors, self.what, self.given = pattern, mode, colors, what, given
+        self.held: list[Any] = []
         coo = pattern.tocoo()  # CSR order: data in this order builds the result on pattern's indices
         self.rows, self.cols = coo.row, coo.col
         seeds = _seeds(colors)
@@ -183,7 +190,8 @@ def _jacobian_plan(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> _Plan:
     inner = sparse.inner
     n = sum(size_of(x) for x in xs)
     if sparse.sparsity is not None:
-        m = size_of(fn(xs, data)[0])
+        with inner.scope([*xs, *data]):  # jax evaluates float64 only in its x64 scope
+            m = size_of(fn(xs, data)[0])
         pattern = sparse.sparsity
         _check_shape(pattern, (m, n), "Jacobian", "(y.size, x.size)")
     else:
@@ -277,13 +285,30 @@ def sparse_hessian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list
 
 
 # ------------------------------------------------------------------ preparations
-def _shapes_key(xs: list, data: list) -> tuple:
-    return tuple(shape_of(v) for v in xs), tuple(shape_of(v) for v in data)
+def _plan_key(sparse: Sparse, fn: Any, xs: list, data: list) -> tuple[tuple | None, list]:
+    """``(key, held)``: what a plan depends on besides the flat function (which holds the
+    static leaves), and the objects the plan must hold so that the ids in the key stay theirs.
+
+    A given pattern depends on the input shapes only.  A detected one also on the data
+    arguments by value (the one keying policy, :func:`abstractdiff._cache.value_key`) and on
+    what ``f`` reads from globals and closures (:func:`abstractdiff._captures.captures`: a
+    global index array).  ``None``: data without concrete content (keyed by identity only),
+    so the plan is rebuilt rather than cached."""
+    shapes = (tuple(shape_of(v) for v in xs), tuple(shape_of(v) for v in data))
+    if sparse.sparsity is not None:
+        return shapes, []
+    alive: list[Any] = []
+    data_key = value_key(data, alive, native=content_of)
+    if alive:
+        return None, []
+    captured, held = captures(fn.f) if isinstance(fn, FlatFunction) else ((), [])
+    return (shapes, data_key, captured), held
 
 
 class SparseJacobianPrep(Preparation):
     """The Jacobian as a ``(y.size, x.size)`` CSR matrix: pattern and coloring built at
-    preparation (per input shapes, kept in the flat function's artefacts)."""
+    preparation, and again for a call whose data arguments differ (per input shapes and
+    data values, kept in the flat function's artefacts)."""
 
     operator = "jacobian"
     _build = staticmethod(_jacobian_plan)
@@ -295,7 +320,16 @@ class SparseJacobianPrep(Preparation):
 
     def plan(self, xs: list, data: list) -> _Plan:
         b, fn = self.backend, self.fn
-        return artefacts(fn, b, self._store).get(_shapes_key(xs, data), lambda: self._build(b, fn, xs, data))
+        key, held = _plan_key(b, fn, xs, data)
+        if key is None:
+            return self._build(b, fn, xs, data)
+
+        def build() -> _Plan:
+            plan = self._build(b, fn, xs, data)
+            plan.held = held  # the objects captures() keyed by identity: their ids stay theirs
+            return plan
+
+        return artefacts(fn, b, self._store).get(key, build)
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
         return self._compute(self.backend, self.plan(xs, data), self.fn, xs, data)
@@ -325,8 +359,9 @@ class Sparse(Backend):
     ``sparsity`` is the pattern (a scipy sparse matrix or a boolean array of that shape);
     ``None`` detects it with :func:`~abstractdiff.jacobian_sparsity` /
     :func:`~abstractdiff.hessian_sparsity`.  ``coloring`` is ``"greedy"`` (networkx,
-    largest first) or ``"natural"``.  Pattern and coloring are built once per function and
-    input shapes; a computed nonzero outside the pattern raises
+    largest first) or ``"natural"``.  Pattern and coloring are built once per function,
+    input shapes and values of the data arguments (prepared operators too: a call with
+    other data detects again); a computed nonzero outside the pattern raises
     :class:`~abstractdiff.SparsityPatternError`.
 
     Example:

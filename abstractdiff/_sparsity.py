@@ -10,7 +10,13 @@ element, one column per input element: scipy CSR).  Every numpy operation a trac
 * reductions (``sum``, ``prod``, ``max``, ``mean``, ``norm``...): the union along the axes;
 * contractions (``matmul``, ``dot``, ``einsum``...): the union over the contracted index;
 * moves (indexing, ``reshape``, ``transpose``, ``concatenate``, ``roll``, ``pad``...): the
-  operation itself applied to an array of element numbers says where each element came from.
+  operation itself applied to an array of element numbers says where each element came from;
+* writes (``out[i] = ...``) into a tracer (``np.zeros_like(x)``, ``np.zeros(n, like=x)``, a
+  copy of ``x``), also through its views (``out[1:]``, ``out.T``, ``np.split``): a view's
+  values share memory with its base's as numpy's do, and its dependency rows follow them.
+  A traced value written into a plain numpy array (``out = np.zeros(n)``) would lose its
+  dependencies inside numpy, so that raises :class:`~abstractdiff.SparsityDetectionError`;
+* piecewise constant operations (``round``, ``floor``, comparisons) depend on nothing.
 
 For Hessians (SparseConnectivityTracer.jl's global Hessian tracer), each nonlinear
 operation also records the pairs of inputs it makes interact: ``a * b`` the pairs
@@ -36,6 +42,15 @@ from ._errors import SparsityDetectionError
 __all__ = ["hessian_sparsity", "jacobian_sparsity"]
 
 _ADVICE = "pass the pattern yourself: ad.Sparse(backend, sparsity=pattern)"
+#: numpy converts a traced value when it is written into a numpy array: the dependencies
+#: would be lost, so the conversion refuses, and names the write as the likely cause.
+_CONVERSION = (
+    "sparsity detection cannot convert a traced value to a numpy array: writing it into a numpy "
+    "array (out = np.zeros(n); out[i] = x[i] * 2) would lose which inputs it depends on, and "
+    "np.asarray(x), float(x) or if/while on it would fix the pattern at one point. Create the "
+    "output from x instead (out = np.zeros_like(x, shape=n) or np.zeros(n, like=x); writes into it, "
+    f"also through views such as out[1:], are traced), build it with np.stack or np.concatenate, or {_ADVICE}"
+)
 
 
 def _sp() -> Any:
@@ -103,13 +118,35 @@ def _numbers(shape: tuple, offset: int = 0) -> np.ndarray:
 class Tracer:
     """An array of values that also carries, per element, the set of inputs it depends on."""
 
-    __slots__ = ("value", "deps", "trace")
+    __slots__ = ("value", "_deps", "trace", "_base", "_index", "_seen", "_writes")
     __array_priority__ = 1000
 
     def __init__(self, value: Any, deps: Any, trace: _Trace):
         self.value = np.asarray(value)
-        self.deps = deps  # CSR (value.size, n) bool, or None: depends on nothing
+        self._deps = deps  # CSR (value.size, n) bool, or None: depends on nothing
         self.trace = trace
+        # a view (basic indexing, reshape, transpose...) shares its values' memory with its
+        # base, as numpy's views do, so writes through either reach the other's values; the
+        # dependency rows follow: _base is the array that owns the memory, _index the flat
+        # position there of each element, _seen the base's write count when _deps was read
+        self._base: Tracer | None = None
+        self._index: np.ndarray | None = None
+        self._seen = 0
+        self._writes = 0  # writes into this array (and its views), for an owner of memory
+
+    @property
+    def deps(self) -> Any:
+        base = self._base
+        if base is not None and self._seen != base._writes:  # the base was written since
+            rows = base.deps
+            self._deps = None if rows is None or self.dtype.kind not in "fc" else _select(rows, self._index + 1,
+                                                                                          base.size)
+            self._seen = base._writes
+        return self._deps
+
+    @deps.setter
+    def deps(self, deps: Any) -> None:
+        self._deps = deps
 
     # ---- array attributes
     shape = property(lambda self: self.value.shape)
@@ -141,7 +178,7 @@ class Tracer:
     __bool__ = __float__ = __int__ = __index__ = __complex__ = item = tolist = _control_flow
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        self._control_flow()
+        raise SparsityDetectionError(_CONVERSION)
 
     # ---- numpy protocols
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
@@ -164,6 +201,10 @@ class Tracer:
 
     def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
         name = func.__name__
+        if name in _CREATIONS:  # np.zeros(n, like=x): a constant tracer, so writes into it are traced
+            if _traced(args) or _traced(kwargs):
+                raise unsupported(f"numpy.{name} with a traced argument")
+            return Tracer(func(*args, **kwargs), None, self.trace)
         rule = _FUNCTIONS.get(name)
         if rule is None and name in _MOVES:
             rule = _move(func)
@@ -176,20 +217,33 @@ class Tracer:
     def __getitem__(self, key: Any) -> Tracer:
         if any(isinstance(k, Tracer) for k in (key if isinstance(key, tuple) else (key,))):
             raise unsupported("indexing with a traced array (the elements picked would depend on values)")
-        return _moved(self.trace, [self], lambda vs: vs[0][key], [self.value.dtype])
+        out = _moved(self.trace, [self], lambda vs: vs[0][key], [self.value.dtype])
+        if isinstance(out, Tracer):
+            _mark_view(out, self, lambda numbers: numbers[key])
+        return out
 
     def __setitem__(self, key: Any, item: Any) -> None:
         if any(isinstance(k, Tracer) for k in (key if isinstance(key, tuple) else (key,))):
             raise unsupported("assigning with a traced index")
         item = _lift(item, self.trace)
-        value = self.value.copy()
-        value[key] = item.value
-        mine, theirs = _numbers(self.shape), _numbers(item.shape, self.size)
-        where = mine.copy()
-        where[key] = theirs
+        where = _numbers(self.shape)
+        where[key] = _numbers(item.shape, self.size)
         deps = _stacked([self, item])
-        self.value = value
-        self.deps = None if deps is None else _select(deps, where, self.size + item.size)
+        self.value[key] = item.value  # in place: the base and the other views of this memory see it
+        self.deps = None if deps is None or self.dtype.kind not in "fc" else _select(deps, where,
+                                                                                     self.size + item.size)
+        base = self._base
+        if base is None:
+            self._writes += 1
+            return
+        # this view's new rows go to its base, at the view's positions there
+        where = _numbers(base.shape)
+        where.reshape(-1)[self._index.reshape(-1)] = _numbers(self.shape, base.size).reshape(-1)
+        rows = _stacked([base, self])
+        base.deps = None if rows is None or base.dtype.kind not in "fc" else _select(rows, where,
+                                                                                     base.size + self.size)
+        base._writes += 1
+        self._seen = base._writes
 
     def reshape(self, *shape: Any, order: str = "C") -> Tracer:
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
@@ -208,7 +262,10 @@ class Tracer:
         return Tracer(self.value.copy(), self.deps, self.trace)
 
     def flatten(self, order: str = "C") -> Tracer:
-        return np.ravel(self, order=order)
+        return np.ravel(self, order=order).copy()  # a copy, never a view (numpy's flatten)
+
+    def round(self, decimals: int = 0, out: Any = None) -> Tracer:
+        return np.round(self, decimals, out)
 
     def __abs__(self) -> Tracer:
         return np.absolute(self)
@@ -245,6 +302,22 @@ for _dunder, _ufunc in (("lt", np.less), ("le", np.less_equal), ("gt", np.greate
 Tracer.__neg__ = lambda self: np.negative(self)  # type: ignore[attr-defined]
 Tracer.__pos__ = lambda self: self  # type: ignore[attr-defined]
 Tracer.__hash__ = None  # type: ignore[assignment]
+
+
+def _mark_view(out: Tracer, source: Tracer, where: Callable[[np.ndarray], Any]) -> None:
+    """Make ``out`` a view of ``source`` when numpy made its values one (they share memory):
+    ``where(numbers)`` applies the same move to ``source``'s element numbers."""
+    if out.value.size == 0 or not np.may_share_memory(out.value, source.value):
+        return
+    index = np.asarray(where(_numbers(source.shape) - 1))
+    root = source
+    if source._base is not None:  # a view of a view: point at the owner of the memory
+        root, index = source._base, source._index.reshape(-1)[index]
+    out._base, out._index, out._seen = root, np.asarray(index, dtype=np.int64), root._writes
+
+
+def _piece(moved: Any, i: int) -> Any:
+    return moved[i] if isinstance(moved, (list, tuple)) else moved
 
 
 def _lift(a: Any, trace: _Trace) -> Tracer:
@@ -476,9 +549,14 @@ def _move(func: Callable[..., Any]) -> Callable[..., Any]:
     def rule(first: Any, *args: Any, **kwargs: Any) -> Any:
         if _traced(args) or _traced(kwargs):
             raise unsupported(f"numpy.{func.__name__} with a traced array after the first argument")
-        numbers_kwargs = kwargs
+        numbers_args, numbers_kwargs = args, kwargs
         if func.__name__ == "pad" and kwargs.get("mode", "constant") == "constant":
             numbers_kwargs = dict(kwargs, constant_values=0)  # the padding is constant: element number 0
+        if func.__name__ == "insert":  # the inserted values are constants: element number 0
+            if len(args) >= 2:
+                numbers_args = (args[0], np.zeros(np.shape(args[1]), dtype=np.int64), *args[2:])
+            elif "values" in kwargs:
+                numbers_kwargs = dict(kwargs, values=np.zeros(np.shape(kwargs["values"]), dtype=np.int64))
         many = isinstance(first, (list, tuple))
         items = list(first) if many else [first]
         trace = _traced(items)[0].trace
@@ -491,8 +569,17 @@ def _move(func: Callable[..., Any]) -> Callable[..., Any]:
             _numbers(t.shape, int(o)) if t.deps is not None else np.zeros(t.shape, dtype=np.int64)
             for t, o in zip(ts, n_numbers)
         ]
-        numbers = func(numbers if many else numbers[0], *args, **numbers_kwargs)
-        return _wrap_moved(trace, value, numbers, _stacked(ts), int(n_numbers[-1]))
+        numbers = func(numbers if many else numbers[0], *numbers_args, **numbers_kwargs)
+        out = _wrap_moved(trace, value, numbers, _stacked(ts), int(n_numbers[-1]))
+        if not many:  # reshape, transpose, split...: numpy may give views
+
+            def moved(numbers: np.ndarray, i: int) -> Any:
+                return _piece(func(numbers, *numbers_args, **numbers_kwargs), i)
+
+            for i, piece in enumerate(out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(piece, Tracer):
+                    _mark_view(piece, ts[0], lambda numbers, i=i: moved(numbers, i))
+        return out
 
     return rule
 
@@ -668,6 +755,20 @@ def _sort(a: Any, axis: int = -1, **kwargs: Any) -> Any:
     return _union_of(a.trace, [union], np.sort(a.value, axis=axis, **kwargs))
 
 
+def _round(a: Any, decimals: int = 0, out: Any = None) -> Any:
+    # piecewise constant: its derivative is zero wherever it exists, so it depends on nothing
+    if out is not None:
+        raise unsupported("numpy.round with out=")
+    return Tracer(np.round(_value(a), decimals), None, a.trace)
+
+
+def _append(arr: Any, values: Any, axis: Any = None) -> Any:
+    # numpy's own definition, in operations that have rules (values may be traced too)
+    if axis is None:
+        return np.concatenate([np.ravel(arr), np.ravel(values)])
+    return np.concatenate([arr, values], axis=axis)
+
+
 def _shape_of(a: Any) -> tuple:
     return np.shape(_value(a))
 
@@ -686,7 +787,10 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "size": lambda a, axis=None: np.size(_value(a), axis),
     "result_type": lambda *a: np.result_type(*[_value(v) for v in a]),
     "iscomplexobj": lambda a: False, "isrealobj": lambda a: True,
+    "round": _round, "around": _round, "round_": _round, "append": _append,
 }
+#: numpy's array creation functions, reached with ``like=`` a tracer.
+_CREATIONS = frozenset({"zeros", "ones", "empty", "full", "eye", "identity", "arange", "linspace"})
 for _name in ("trapz",):
     if hasattr(np, _name):
         _FUNCTIONS[_name] = _reducer(getattr(np, _name), False)
@@ -712,8 +816,24 @@ def trace_flat(fn: Callable[[list, list], tuple], xs: list, data: list, second_o
         eye = sp.csr_matrix((np.ones(k, dtype=bool), (np.arange(k), np.arange(start, start + k))), shape=(k, n))
         tracers.append(Tracer(x.copy(), eye, trace))
         start += k
-    y, _ = fn(tracers, [np.asarray(d) for d in data])
+    try:
+        y, _ = fn(tracers, [np.asarray(d) for d in data])
+    except (ValueError, TypeError) as err:
+        # numpy hides the conversion's error behind its own when a traced value is written
+        # into a numpy array element (out[i] = x[i]): "setting an array element with a sequence"
+        if _conversion_refused(err):
+            raise SparsityDetectionError(_CONVERSION) from err
+        raise
     return _lift(y, trace), trace
+
+
+def _conversion_refused(err: BaseException | None) -> bool:
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, SparsityDetectionError):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 def flat_jacobian_sparsity(fn: Callable[[list, list], tuple], xs: list, data: list) -> Any:
