@@ -22,6 +22,10 @@ global ``floatX`` is never read or changed.  Symbolic values are native too: an
 abstractdiff operator called inside a function PyTensor is tracing builds its graph
 into the outer one (nested use), without compiling.
 
+Threads: a compiled function computes in storage of its own, so calls of one compiled
+function from several threads are serialised (other compiled functions run in parallel),
+and compilations are serialised (PyTensor's configuration is initialised on first read).
+
 Implicit mode: ``pytensor.shared`` variables are PyTensor's variables
 (``ad.variables(tree, "pytensor")`` makes them); ``f()`` builds a graph that reads them,
 and ``pytensor.grad`` differentiates it with respect to them, compiled once per ``f``,
@@ -32,6 +36,7 @@ variables and argument signature.  PyTensor has no module or model type of its o
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -41,7 +46,7 @@ import optree
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.gradient import grad_undefined, hessian_vector_product, jacobian, pullback, pushforward
+from pytensor.gradient import grad_undefined, hessian_vector_product, jacobian, pullback
 from pytensor.graph.basic import Apply, Variable
 from pytensor.graph.op import Op
 from pytensor.graph.replace import graph_replace
@@ -76,6 +81,13 @@ _SECOND_ORDER = re.compile(r"(a third derivative through differentiate_with's bo
 _OBJECT_MODE = r"Numba will use object mode to run _Foreign"
 
 
+# PyTensor's configuration initialises a parameter on its first read, and a second thread
+# reading it meanwhile raises "Can't change the value of <name> config parameter after
+# initialization!"; compilation reads many of them.  Compiling happens once per input
+# signature: all compilations are serialised (re-entrant: compiling a graph may run a
+# foreign kernel that compiles a PyTensor function of its own).
+_COMPILING = threading.RLock()
+
 #: The ``mode=`` options: PyTensor's compilation modes whose functions take and return numpy
 #: arrays.  FAST_RUN (PyTensor 3's default) compiles with Numba: the fastest calls, the
 #: slowest first compilation; FAST_COMPILE runs numpy per op without rewrites: compiles
@@ -90,6 +102,13 @@ def _is_symbolic(a: Any) -> bool:
 def _signature(arrays: list) -> tuple:
     # numpy leaves by shape and dtype; symbolic ones (nested use) by their type
     return tuple([(a.shape, a.dtype) if isinstance(a, np.ndarray) else a.type for a in arrays])
+
+
+def _as_input(a: Any) -> Any:
+    """``a`` as a compiled function's input: a numpy scalar (what indexing a stacked batch of
+    scalar tangents or cotangents gives, ``np.float64``) or a Python number as a 0-d array;
+    the signature, the placeholders and ``trust_input`` take arrays or symbolic values."""
+    return a if isinstance(a, (np.ndarray, Variable)) else np.asarray(a)
 
 
 def _placeholder(a: Any) -> TensorVariable:
@@ -115,6 +134,20 @@ def _narrow(v: Any, dtype: str | None) -> Any:
     if dtype is None or not v.dtype.startswith("float") or np.dtype(v.dtype).itemsize <= np.dtype(dtype).itemsize:
         return v
     return v.astype(dtype)
+
+
+def _pushforward(y: TensorVariable, wrt: list, tangents: list) -> TensorVariable:
+    """``J t`` by two pullbacks: the derivative of ``<J^T u, t>`` in ``u``, the same at every ``u``.
+
+    PyTensor's own ``pushforward`` (3.0.7) seeds its first pullback with ``y.zeros_like()``
+    and loses terms with it: through ``solve_triangular`` the matrix's tangent is dropped, a
+    silently wrong derivative.  A root variable as the seed keeps every term; it is replaced
+    by zeros once the graph is built (the result does not depend on its value)."""
+    u = y.type()
+    grads = pullback(y, wrt, u, disconnected_inputs="ignore", return_disconnected="zero")
+    inner = pt.add(*[pt.sum(g * t) for g, t in zip(grads, tangents)])
+    dy = pytensor.grad(inner, u, disconnected_inputs="ignore", return_disconnected="zero")
+    return graph_replace(dy, {u: pt.zeros_like(y)}, strict=False)
 
 
 def _check_scalar(y: TensorVariable, operator: str) -> None:
@@ -150,15 +183,23 @@ def _merge_aux(meta: Any, values: list) -> Any:
 
 
 class _Compiled:
-    """A compiled operator: ``(outputs, aux)`` from the flat list of input arrays."""
+    """A compiled operator: ``(outputs, aux)`` from the flat list of input arrays.
 
-    __slots__ = ("function", "n", "aux")
+    A ``pytensor.function`` computes in storage cells of its own (inputs, intermediates,
+    outputs; freed after each call): two threads calling one function at once read each
+    other's inputs and find freed cells (``'NoneType' object has no attribute 'shape'``, or a
+    silently wrong result).  Calls of one compiled function are therefore serialised; other
+    compiled functions run in parallel."""
+
+    __slots__ = ("function", "n", "aux", "_lock")
 
     def __init__(self, function: Any, n: int, aux: Any):
         self.function, self.n, self.aux = function, n, aux
+        self._lock = threading.Lock()
 
     def __call__(self, arrays: list) -> tuple[list, Any]:
-        out = self.function(*arrays)
+        with self._lock:  # a copy of the list: a VM may return one list object every call
+            out = list(self.function(*arrays))
         if self.aux is None:
             return out, None
         return out[: self.n], _merge_aux(self.aux, out[self.n :])
@@ -330,7 +371,9 @@ class PyTensorBackend(Backend):
         # trust_input: the signature this variant is keyed on fixes every input's type
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_OBJECT_MODE, category=UserWarning)
-            function = pytensor.function(inputs, outputs, mode=self.mode, on_unused_input="ignore", trust_input=True)
+            with _COMPILING:
+                function = pytensor.function(inputs, outputs, mode=self.mode, on_unused_input="ignore",
+                                             trust_input=True)
         self.compilations += 1
         return _Compiled(function, n, meta)
 
@@ -348,6 +391,7 @@ class PyTensorBackend(Backend):
 
         Implicit mode passes ``wrt`` (the shared variables; ``xs`` is empty) and ``call``, the
         function of the arguments that reads them."""
+        groups = tuple([_as_input(a) for a in group] for group in groups)
         arrays = [a for group in groups for a in group]
         call = fn if call is None else call
         if any(isinstance(a, Variable) for a in arrays):
@@ -392,8 +436,7 @@ class PyTensorBackend(Backend):
 
     def _jvp_body(self, call: Callable, wrt: list, data: list, tangents: list) -> tuple[list, Any]:
         y, _ = self._value(call, wrt, data)
-        dy = pushforward(y, wrt, tangents, disconnected_outputs="ignore", return_disconnected="zero")
-        return [_like(dy, y.dtype)], None
+        return [_like(_pushforward(y, wrt, tangents), y.dtype)], None
 
     def _jacobian_body(self, call: Callable, wrt: list, data: list) -> tuple[list, Any]:
         y, _ = self._value(call, wrt, data)
@@ -740,6 +783,11 @@ def _register_portable_functions() -> None:
     def ravel(a, order="C"):
         return pt.flatten(a)
 
+    def copy(a, order="K", subok=False):
+        # pytensor.tensor has no copy; a graph's values are never written in place, so the
+        # identity is a copy (and differentiable)
+        return pt.as_tensor_variable(a).copy()
+
     functions = {
         "scipy.special.logsumexp": logsumexp,
         "scipy.special.erf": unary(pt.erf),
@@ -759,6 +807,7 @@ def _register_portable_functions() -> None:
         "hypot": hypot,
         "kron": kron,
         "ravel": ravel,
+        "copy": copy,
     }
     for name, fn in functions.items():
         autoray.register_function("pytensor", name, fn)

@@ -16,6 +16,11 @@ built with ``create_graph=True`` so that the outer derivative flows through it. 
 dropped.  Call under ``torch.no_grad()``, or pass ``.detach()``-ed tensors, to get plain
 values; ``ad.Implicit("torch")`` is the route for modules.
 
+Threads: reverse mode runs in parallel.  torch's forward mode is process-global (one dual
+level), so every forward-mode section (pushforward, derivative, forward Jacobians, hessian,
+hvp, second derivatives) holds one re-entrant lock: such calls from several threads are
+serialised, and nested use on one thread goes on.
+
 ``compile=True`` wraps the user's function in ``torch.compile`` (``compile="aot_eager"``
 or any other ``torch.compile`` backend name picks that backend).  Dynamo turns Python
 control flow on tensors into graph breaks rather than errors, so there is no
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import types
 import warnings
 import weakref
@@ -88,6 +94,27 @@ def _add_numpy_hint(err: BaseException) -> None:
     """Add the numpy/torch mix-up hint to ``err`` when that is what it is (once)."""
     if _NUMPY_MIX.search(str(err)) and _NUMPY_HINT not in getattr(err, "__notes__", ()):
         err.add_note(_NUMPY_HINT)
+
+
+# torch's forward mode is process-global: torch.autograd.forward_ad keeps one dual level for
+# the whole process and torch.func.jvp counts its nesting in a module global, so two threads
+# in forward mode at once read each other's tangents (wrong numbers, or "no level exists").
+# Every forward-mode section of this adapter (jvp, jacfwd, hessian, hvp) holds this lock.
+# Re-entrant: an operator nested in a function being differentiated runs on the same thread
+# and goes on.  Reverse mode (autograd.grad, torch.func.vjp/grad/jacrev) keeps per-thread
+# state and runs in parallel.
+_FORWARD_MODE = threading.RLock()
+
+
+def _forward_mode(method: Callable) -> Callable:
+    """``method`` with the forward-mode lock held (see ``_FORWARD_MODE``)."""
+
+    @functools.wraps(method)
+    def serialised(*args: Any, **kwargs: Any) -> Any:
+        with _FORWARD_MODE:
+            return method(*args, **kwargs)
+
+    return serialised
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -302,14 +329,18 @@ class TorchBackend(Backend):
     @staticmethod
     def _on_device_of(variables: list, args: tuple) -> tuple:
         # Data goes to the model's device (a model moved to a GPU) and float data to the
-        # model's float dtype: a float64 batch for a float32 module would otherwise fail in
-        # torch's matmul ("expected scalar type Float but found Double").
-        device, dtype = variables[0].device, variables[0].dtype
+        # widest float dtype of the model's variables: a float64 batch for a float32 module
+        # would otherwise fail in torch's matmul ("expected scalar type Float but found
+        # Double"), and the first variable's dtype would narrow the data a wider (float64)
+        # variable meets, losing its precision.
+        device = variables[0].device
+        floats = [v.dtype for v in variables if v.is_floating_point()]
+        dtype = functools.reduce(torch.promote_types, floats) if floats else None
 
         def fit(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
-            if a.is_floating_point() and a.dtype != dtype:
+            if dtype is not None and a.is_floating_point() and a.dtype != dtype:
                 return a.to(device=device, dtype=dtype)
             return a.to(device) if a.device != device else a
 
@@ -601,6 +632,7 @@ class TorchBackend(Backend):
 
         y = self._tensor(y)
 
+        @_forward_mode
         def jvp(ts: list) -> torch.Tensor:
             return _like(torch.func.jvp(value, tuple(xs), tuple(ts))[1], y)
 
@@ -616,6 +648,7 @@ class TorchBackend(Backend):
         def jvp(*ts: torch.Tensor) -> torch.Tensor:
             return torch.func.jvp(value, primals, ts)[1]
 
+        @_forward_mode
         def jvps(ts: list) -> torch.Tensor:
             return _like(torch.func.vmap(jvp)(*ts), y)
 
@@ -638,7 +671,14 @@ class TorchBackend(Backend):
             with torch.no_grad():
                 return value(*xs).numel()
 
-        n_out = artefacts(fn, self, "output size").get(signature, output_size)
+        # peek and put, not get(): get holds the store's lock while f runs, and an f calling a
+        # forward-mode operator would then wait for _FORWARD_MODE under it (a lock-order
+        # deadlock with a thread in forward mode asking for this size); a race computes it twice
+        sizes = artefacts(fn, self, "output size")
+        n_out = sizes.peek(signature)
+        if n_out is None:
+            n_out = output_size()
+            sizes.put(signature, n_out)
         n_in = sum(x.numel() for x in xs)
         argnums = tuple(range(len(xs)))
         if n_out <= n_in:
@@ -646,7 +686,8 @@ class TorchBackend(Backend):
         elif self.chunk_size is not None:  # jacfwd has no chunk_size: the core's chunks of vmapped jvps
             return super().flat_jacobian(fn, xs, data)
         else:
-            jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
+            with _FORWARD_MODE:
+                jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
         return y, [_like(j, y) for j in jacs]
 
     def flat_prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
@@ -677,7 +718,7 @@ class TorchBackend(Backend):
                 elif self.chunk_size is not None:  # jacfwd has no chunk_size: the core's chunks
                     mode = (None, y.dtype)
                 else:
-                    mode = (forward_mode, y.dtype)
+                    mode = (_forward_mode(forward_mode), y.dtype)
                 if len(modes) < 64:
                     modes[shapes] = mode
             transform, dtype = mode
@@ -695,10 +736,12 @@ class TorchBackend(Backend):
         return run
 
     @_explains_numpy_mix
+    @_forward_mode
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
         return _like(torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0]), xs[0])
 
     @_explains_numpy_mix
+    @_forward_mode
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
@@ -706,6 +749,7 @@ class TorchBackend(Backend):
         return [_like(h, x) for h, x in zip(hv, xs)]
 
     @_explains_numpy_mix
+    @_forward_mode
     def flat_hessian_blocks(self, fn: FlatFn, xs: list, data: list) -> list[list[Any]]:
         if len(xs) == 1:
             return [[self.flat_hessian(fn, xs, data)]]
@@ -714,6 +758,7 @@ class TorchBackend(Backend):
         return [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums]
 
     @_explains_numpy_mix
+    @_forward_mode
     def flat_value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list]:
         # forward over reverse, the value and gradient riding along as aux: one pass
         argnums = tuple(range(len(xs)))
@@ -731,6 +776,7 @@ class TorchBackend(Backend):
         )
 
     @_explains_numpy_mix
+    @_forward_mode
     def flat_gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:
         # one jvp of the gradient function: its primal output is the gradient
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
@@ -738,6 +784,7 @@ class TorchBackend(Backend):
         return [_like(gi, x) for gi, x in zip(g, xs)], [_like(h, x) for h, x in zip(hv, xs)]
 
     @_explains_numpy_mix
+    @_forward_mode
     def flat_value_derivative_and_second_derivative(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Any]:
         # forward over forward: the inner jvp's primal and tangent are y and dy/dx
         value = self._value_fn(fn, data)
@@ -1022,6 +1069,21 @@ def _register_portable_functions() -> None:
 
         return numpy_like
 
+    def copy(a, order="K", subok=False):
+        # autoray's own torch copy is detach().clone(): a derivative through it would be
+        # silently zero.  clone() is differentiable, and a copy all the same.
+        return a.clone()
+
+    def pad(array, pad_width, mode="constant", constant_values=0):
+        # numpy's widths: an int, one (before, after) pair for every axis, or a pair per axis
+        # (np.pad broadcasts them to (ndim, 2)); torch wants them flat, last axis first.
+        # autoray's own translation reads a flat pair (1, 2) as two pairs and fails.
+        if mode != "constant":
+            raise NotImplementedError(f"pad mode={mode!r} is not supported on torch tensors (only 'constant')")
+        widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (array.ndim, 2))
+        flat = tuple(int(w) for pair in widths[::-1] for w in pair)
+        return torch.nn.functional.pad(array, flat, mode="constant", value=constant_values)
+
     def logit(x):
         return torch.special.logit(x)
 
@@ -1034,6 +1096,8 @@ def _register_portable_functions() -> None:
         "std": moment(torch.std),
         "var": moment(torch.var),
         "roll": roll,
+        "copy": copy,
+        "pad": pad,
         "dot": dot,
         "repeat": repeat,
         "linalg.solve_triangular": solve_triangular,
