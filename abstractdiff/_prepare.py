@@ -338,7 +338,7 @@ class Signature:
 
     def __init__(
         self, operator: str, backend: Any, fn: FlatFunction, x: Any, args: tuple, xs: list, data: list,
-        any_shape: bool = False,
+        any_shape: bool = False, native: tuple[list, list] | None = None,
     ):
         self.operator = operator
         self.backend = backend
@@ -355,6 +355,10 @@ class Signature:
         # None is free.
         self.x_raw = [(None if any_shape else v.shape, v.dtype) for v in xs]
         self.data_raw = [(None if any_shape else v.shape, v.dtype) for v in data]
+        # The dtypes of the converted leaves (``native``, where ``xs``/``data`` are the caller's
+        # own arrays): a leaf of another dtype that converts alike passes too (a jax int32
+        # array where numpy int64 data was prepared, jax without x64).
+        self.x_native, self.data_native = ([dtype_name(v) for v in group] for group in (native or (xs, data)))
 
     def mismatch(self, what: str, expected: Any, got: Any) -> ShapeMismatchError:
         return ShapeMismatchError(
@@ -366,10 +370,10 @@ class Signature:
         n = self.fn.n_x_leaves
         return f"x leaf {i}" if i < n else f"argument leaf {i - n}"
 
-    def _checked(self, leaves: list, index: tuple, raw: list, signature: list) -> list:
+    def _checked(self, leaves: list, index: tuple, raw: list, signature: list, native: list) -> list:
         out = []
         convert = self.backend.convert
-        for i, (shape, dtype), sig in zip(index, raw, signature):
+        for i, (shape, dtype), sig, native_dtype in zip(index, raw, signature, native):
             leaf = leaves[i]
             try:
                 same = (shape is None or leaf.shape == shape) and leaf.dtype == dtype
@@ -384,7 +388,8 @@ class Signature:
                     got = type(leaf).__name__
                 if shape is None and isinstance(got, tuple):
                     got = (sig[0], got[1])  # any shape: the dtype decides
-                if got != sig:
+                alike = is_array(leaf) and got[0] == sig[0] and dtype_name(convert(leaf)) == native_dtype
+                if got != sig and not alike:
                     error = self.mismatch(f"{self._where(i)} of shape/dtype", sig, got)
                     if sig[1] == "float64" and isinstance(got, tuple) and got[1] == "float32":
                         error = ShapeMismatchError(f"{error} {_NARROWED}")
@@ -415,8 +420,8 @@ class Signature:
             raise self.mismatch("args of structure", fn.args_treedef, a_treedef)
         if a_leaves:
             leaves = leaves + a_leaves
-        xs = self._checked(leaves, fn.diff_index, self.x_raw, self.x_signature)
-        data = self._checked(leaves, fn.data_index, self.data_raw, self.data_signature)
+        xs = self._checked(leaves, fn.diff_index, self.x_raw, self.x_signature, self.x_native)
+        data = self._checked(leaves, fn.data_index, self.data_raw, self.data_signature, self.data_native)
         for i, value, key in self.static:
             leaf = leaves[i]
             if leaf is not value and _static_key(leaf) != key:
@@ -425,6 +430,17 @@ class Signature:
 
 
 # ------------------------------------------------------------ prepared operators
+def _given(fn: FlatFunction, x: Any, args: tuple, xs: list, data: list) -> tuple[list, list]:
+    """The leaves the signature compares: the caller's own arrays, not their conversions
+    (numpy int64 data stays int64 there, where jax without x64 converts it to int32), so
+    that a prepared operator accepts again the inputs it was prepared with."""
+    leaves = optree.tree_leaves(x) + optree.tree_leaves(args)
+    return (
+        [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.diff_index, xs)],
+        [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.data_index, data)],
+    )
+
+
 class Prepared:
     """A prepared operator: ``prepared(x, *args)`` (``prepared(x, v, *args)`` for hvp).
 
@@ -469,28 +485,22 @@ class Prepared:
         runs ``replan(x, *args)``, the unprepared operator's own route, which plans any
         form instead of refusing it.  It does not keep ``f`` alive (the caller holds it)."""
         self = cls.__new__(cls)
-        # The check compares the caller's own arrays (numpy int64 data stays int64 there, where
-        # jax without x64 converts it to int32), so that inputs of this form pass again.
-        fn, leaves = preparation.fn, optree.tree_leaves(x) + optree.tree_leaves(args)
-        given = (
-            [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.diff_index, xs)],
-            [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.data_index, data)],
-        )
-        self._setup(backend, preparation, x, args, xs, data, has_aux, replan, given)
+        self._setup(backend, preparation, x, args, xs, data, has_aux, replan)
         self.f = None
         self._watch = None  # the unprepared operator checks f's capture guard itself
         return self
 
     def _setup(
         self, backend: Any, preparation: Preparation, x: Any, args: tuple, xs: list, data: list, has_aux: bool,
-        replan: Callable[..., Any] | None, given: tuple[list, list] | None = None,
+        replan: Callable[..., Any] | None,
     ) -> None:
         self.backend = backend
         self.has_aux = has_aux
         self.fn: FlatFunction = preparation.fn
         self.preparation = preparation
         self.signature = Signature(
-            self.operator, backend, self.fn, x, args, *(given or (xs, data)), any_shape=replan is not None
+            self.operator, backend, self.fn, x, args, *_given(self.fn, x, args, xs, data),
+            any_shape=replan is not None, native=(xs, data),
         )
         self._replan = replan
         # the library's own dispatcher doing the checks, where the adapter offers one

@@ -24,7 +24,7 @@ import numpy as np
 
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import ArgumentTypeError, CompositionError, DeviceError, TracedControlFlowError
-from abstractdiff._tree import HasArtefacts, _static_key
+from abstractdiff._tree import HasArtefacts, _static_key, artefacts
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
 _WIDE_SET = frozenset(_WIDE)
@@ -239,82 +239,77 @@ class JaxBackend(Backend):
         return fn.artefacts(self, operator).get(x64, lambda: jax.jit(build()) if self.compile else build())
 
     # ------------------------------------------------------------- primitives
-    def flat_value_and_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
-        x64 = _wants_x64(xs, data)
+    # The forward pass (jax.vjp or jax.linearize) and the application of its closure are two
+    # compiled functions per flat function, and the closure crosses between them as its
+    # residual arrays only: its tree, which holds its jaxpr, is set aside at trace time (per
+    # input signature, as the aux statics are) and closed over by the compiled application.
+    # A closure returned from or passed into a jit would be part of the trees jax keys its
+    # global caches on, so each new function's jaxpr would stay cached there (memory growth
+    # when a pullback, a Batch or ad.Sparse is built for a new function per call).
+    def _linearised(self, fn: Callable, transform: Callable, xs: list, data: list, x64: bool) -> tuple:
+        """``(y, aux, residuals, treedef)`` of ``transform`` (``jax.vjp`` or ``jax.linearize``)."""
+        name = transform.__name__
+        trees = artefacts(fn, self, f"closure trees of {name}").get("trees", dict)
 
         def build() -> Callable:
             traced = self._traced(fn)
-            return lambda xs, data: jax.vjp(lambda xs: traced(xs, data), xs, has_aux=True)
 
-        forward = self._compiled(fn, "pullback", x64, build)
-        backward = self._compiled(fn, "pullback_apply", x64, lambda: lambda pb, dy: pb(dy)[0])
+            def forward(xs: list, data: list) -> tuple:
+                y, closure, aux = transform(lambda xs: traced(xs, data), xs, has_aux=True)
+                residuals, trees[_signature(xs, data)] = jax.tree_util.tree_flatten(closure)
+                return y, residuals, aux
+
+            return forward
+
         with self._scope(x64):
-            y, pb, aux = forward(xs, data)
+            y, residuals, aux = self._compiled(fn, name, x64, build)(xs, data)
+        return y, self._aux(fn, None, xs, data, aux), residuals, trees[_signature(xs, data)]
 
-        def vjp(dy: Any) -> list:
+    def _applied(self, fn: Callable, name: str, x64: bool, residuals: list, treedef: Any, apply: Callable) -> Callable:
+        """``arg -> apply(closure, arg)``, compiled per closure tree, the closure rebuilt inside."""
+
+        def build() -> Callable:
+            return lambda residuals, arg: apply(jax.tree_util.tree_unflatten(treedef, residuals), arg)
+
+        # uncompiled, each call linearises afresh and its tree is new: nothing to keep for reuse
+        compiled = self._compiled(fn, name, (x64, treedef), build) if self.compile else build()
+
+        def call(arg: Any) -> Any:
             with self._scope(x64):
-                return list(backward(pb, dy))
+                return compiled(residuals, arg)
 
-        return y, self._aux(fn, None, xs, data, aux), vjp
+        return call
+
+    def flat_value_and_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        x64 = _wants_x64(xs, data)
+        y, aux, residuals, treedef = self._linearised(fn, jax.vjp, xs, data, x64)
+        backward = self._applied(fn, "pullback_apply", x64, residuals, treedef, lambda pb, dy: pb(dy)[0])
+        return y, aux, lambda dy: list(backward(dy))
 
     def flat_value_and_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
-
-        def build() -> Callable:
-            traced = self._traced(fn)
-            return lambda xs, data: jax.linearize(lambda xs: traced(xs, data), xs, has_aux=True)
-
-        forward = self._compiled(fn, "pushforward", x64, build)
-        apply = self._compiled(fn, "pushforward_apply", x64, lambda: lambda lin, ts: lin(ts))
-        with self._scope(x64):
-            y, lin, aux = forward(xs, data)
-
-        def jvp(ts: list) -> Any:
-            with self._scope(x64):
-                return apply(lin, list(ts))
-
-        return y, self._aux(fn, None, xs, data, aux), jvp
+        y, aux, residuals, treedef = self._linearised(fn, jax.linearize, xs, data, x64)
+        apply = self._applied(fn, "pushforward_apply", x64, residuals, treedef, lambda lin, ts: lin(ts))
+        return y, aux, lambda ts: apply(list(ts))
 
     # ------------------------------------------------------------- batched
-    # The forward pass is the primitive's own compiled artefact; the batch is one jax.vmap
-    # of the linearisation (or of the pullback), compiled once per batch shape.
+    # The forward pass is the primitive's own; the batch is one jax.vmap of the linearisation
+    # (or of the pullback), compiled once per batch shape.
     def flat_value_and_batched_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
-
-        def build() -> Callable:
-            traced = self._traced(fn)
-            return lambda xs, data: jax.linearize(lambda xs: traced(xs, data), xs, has_aux=True)
-
-        forward = self._compiled(fn, "pushforward", x64, build)
-        apply = self._compiled(fn, "batched_pushforward_apply", x64, lambda: lambda lin, ts: jax.vmap(lin)(ts))
-        with self._scope(x64):
-            y, lin, aux = forward(xs, data)
-
-        def jvps(ts: list) -> Any:
-            with self._scope(x64):
-                return apply(lin, list(ts))
-
-        return y, self._aux(fn, None, xs, data, aux), jvps
+        y, aux, residuals, treedef = self._linearised(fn, jax.linearize, xs, data, x64)
+        apply = self._applied(
+            fn, "batched_pushforward_apply", x64, residuals, treedef, lambda lin, ts: jax.vmap(lin)(ts)
+        )
+        return y, aux, lambda ts: apply(list(ts))
 
     def flat_value_and_batched_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
-
-        def build() -> Callable:
-            traced = self._traced(fn)
-            return lambda xs, data: jax.vjp(lambda xs: traced(xs, data), xs, has_aux=True)
-
-        forward = self._compiled(fn, "pullback", x64, build)
-        backward = self._compiled(
-            fn, "batched_pullback_apply", x64, lambda: lambda pb, dys: jax.vmap(lambda dy: pb(dy)[0])(dys)
+        y, aux, residuals, treedef = self._linearised(fn, jax.vjp, xs, data, x64)
+        backward = self._applied(
+            fn, "batched_pullback_apply", x64, residuals, treedef, lambda pb, dys: jax.vmap(lambda dy: pb(dy)[0])(dys)
         )
-        with self._scope(x64):
-            y, pb, aux = forward(xs, data)
-
-        def vjps(dys: Any) -> list:
-            with self._scope(x64):
-                return list(backward(pb, dys))
-
-        return y, self._aux(fn, None, xs, data, aux), vjps
+        return y, aux, lambda dys: list(backward(dys))
 
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:

@@ -62,6 +62,38 @@ def _traced_value_error(err: BaseException) -> TracedControlFlowError | None:
     return None
 
 
+# TensorFlow's own words for an op given two dtypes: graph (TypeError) and eager (InvalidArgumentError)
+_DTYPE_CLASH = re.compile(r"has type \w+ that does not match type \w+|expected to be a \w+ tensor but is a \w+ tensor")
+
+
+def _float_leaves(fn: Any, xs: list, data: list) -> list[tuple[str, str]]:
+    """``(where, dtype)`` of the float leaves of ``xs`` and ``data``: ``x['a']`` by its path in x
+    where ``fn`` is the core's flat function, else by position."""
+    try:
+        paths = optree.treespec_paths(fn.x_treedef)
+        x_names = [f"x{''.join(f'[{k!r}]' for k in paths[i])}" for i in fn.diff_index]
+    except (AttributeError, IndexError, TypeError):  # one of the core's derived functions
+        x_names = [f"x leaf {i}" for i in range(len(xs))]
+    named = [*zip(x_names, xs), *((f"argument leaf {i}", a) for i, a in enumerate(data))]
+    return [(where, a.dtype.name) for where, a in named if getattr(getattr(a, "dtype", None), "is_floating", False)]
+
+
+def _mixed_dtypes_error(err: BaseException, fn: Any, xs: list, data: list) -> ArgumentTypeError | None:
+    """Our error for an op that met two float dtypes when ``f``'s own inputs carry two: TensorFlow
+    never promotes dtypes (numpy, jax and torch do), so ``f`` has to cast; else None."""
+    floats = _float_leaves(fn, xs, data)
+    if not _DTYPE_CLASH.search(str(err)) or len({dtype for _, dtype in floats}) < 2:
+        return None
+    listed = ", ".join(f"{where}: {dtype}" for where, dtype in floats)
+    first = str(err).strip().splitlines()[0]
+    return ArgumentTypeError(
+        f"f combined tensors of two float dtypes, which TensorFlow does not promote "
+        f"({type(err).__name__}: {first}); its inputs are {listed}. Cast inside f where the "
+        f"leaves meet (tf.cast(v, tf.float64), or autoray's ar.astype(v, 'float64')), or pass "
+        f"these inputs in one dtype (each leaf of x keeps its own dtype through the operators)"
+    )
+
+
 def _check_scalar(y: Any, operator: str) -> None:
     # at trace time, before the tape is asked; a shape left unknown by the user's own
     # tf.function (nested use) cannot be checked here
@@ -87,6 +119,13 @@ def _tf_variable(v: Any) -> Any:
 
 def _dense(g: Any) -> Any:
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _gradients(tape: tf.GradientTape, y: Any, xs: list, dy: Any = None) -> list:
+    """``tape.gradient``: zeros for an unconnected leaf, and dense tensors where TensorFlow
+    gives ``IndexedSlices`` (the gradient of ``tf.gather``, autoray's ``take``), which are no
+    arrays to the caller and which a forward accumulator cannot differentiate again."""
+    return [_dense(g) for g in tape.gradient(y, xs, output_gradients=dy, unconnected_gradients=_ZERO)]
 
 
 def _implicit_output(out: Any) -> Any:
@@ -340,7 +379,13 @@ class TensorFlowBackend(Backend):
     # ----------------------------------------------------------- bodies
     @staticmethod
     def _call(fn: Any, xs: list, data: list) -> tuple:
-        y, aux = fn(xs, data)
+        try:
+            y, aux = fn(xs, data)
+        except (TypeError, tf.errors.InvalidArgumentError) as err:
+            mixed = _mixed_dtypes_error(err, fn, xs, data)
+            if mixed is None:
+                raise
+            raise mixed from err
         return tf.convert_to_tensor(y), aux
 
     def _value(self, fn: Any, xs: list, data: list) -> tuple:
@@ -350,12 +395,12 @@ class TensorFlowBackend(Backend):
         with tf.GradientTape() as tape:
             y, aux = self._call(fn, _watched(tape, xs), data)
             _check_scalar(y, "gradient")
-        return (y, tape.gradient(y, xs, unconnected_gradients=_ZERO)), aux
+        return (y, _gradients(tape, y, xs)), aux
 
     def _vjp(self, fn: Any, xs: list, data: list, dy: list) -> tuple:
         with tf.GradientTape() as tape:
             y, _ = self._call(fn, _watched(tape, xs), data)
-        return tape.gradient(y, xs, output_gradients=dy[0], unconnected_gradients=_ZERO), None
+        return _gradients(tape, y, xs, dy[0]), None
 
     def _jvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
         with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
@@ -368,7 +413,7 @@ class TensorFlowBackend(Backend):
             y, _ = self._call(fn, _watched(tape, xs), data)
 
         def vjp(dy: Any) -> list:
-            return tape.gradient(y, xs, output_gradients=dy, unconnected_gradients=_ZERO)
+            return _gradients(tape, y, xs, dy)
 
         return tf.vectorized_map(vjp, dys[0]), None
 
@@ -398,7 +443,7 @@ class TensorFlowBackend(Backend):
             with tf.GradientTape() as inner:
                 y, _ = self._call(fn, _watched(inner, _watched(outer, xs)), data)
                 _check_scalar(y, "hessian")
-            (g,) = inner.gradient(y, xs, unconnected_gradients=_ZERO)
+            (g,) = _gradients(inner, y, xs)
         return outer.jacobian(g, xs[0], unconnected_gradients=_ZERO), None
 
     def _hvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
@@ -407,8 +452,8 @@ class TensorFlowBackend(Backend):
             with tf.GradientTape() as tape:
                 y, _ = self._call(fn, _watched(tape, xs), data)
                 _check_scalar(y, "hvp")
-            grads = tape.gradient(y, xs, unconnected_gradients=_ZERO)
-        return [acc.jvp(g, unconnected_gradients=_ZERO) for g in grads], None
+            grads = _gradients(tape, y, xs)
+        return [_dense(acc.jvp(g, unconnected_gradients=_ZERO)) for g in grads], None
 
     # ------------------------------------------------------------- composition
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
@@ -471,7 +516,7 @@ class TensorFlowBackend(Backend):
 
             def vjp(dy: Any) -> list:
                 with tf.device(self.tf_device):
-                    return tape.gradient(y, xs, output_gradients=dy, unconnected_gradients=_ZERO)
+                    return _gradients(tape, y, xs, dy)
 
             return y, aux, vjp
         # Compiled: tf.function cannot hand back a tape, so each pullback reruns f
