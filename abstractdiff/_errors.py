@@ -43,6 +43,11 @@ class InvalidArgumentError(AbstractDiffError, ValueError):
     an unknown operator name, a finite-differences step too small for the dtype...)."""
 
 
+class FiniteDifferenceAccuracyError(InvalidArgumentError):
+    """Finite differences found no step giving an accurate derivative: ``f`` has a kink or
+    a jump there, or its values are too noisy (rounding) for any step."""
+
+
 class ArgumentTypeError(AbstractDiffError, TypeError):
     """An argument has the wrong type (``f`` not callable, a state that is not an ``OptState``...)."""
 

@@ -170,6 +170,11 @@ def _in_transform() -> bool:
     return False
 
 
+def _empty(xs: list) -> bool:
+    """Whether ``x`` has leaves, none of them with an element: every derivative is empty."""
+    return bool(xs) and all(x.size == 0 for x in xs)
+
+
 def _gpu_count() -> int:
     try:
         if not mx.is_available(mx.gpu):
@@ -316,10 +321,26 @@ def _to_numpy(a: Any) -> np.ndarray:
     return np.array(a)
 
 
+def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
+    """A numpy array as a new MLX array of ``dtype`` (``mx.array(a)`` alone makes float64 float32).
+
+    Two of MLX's imports of numpy memory fail: DLPack refuses negative strides (``x[::-1]``),
+    which are copied to C order first (a new array: the caller's is untouched), and a
+    zero-size array imported from numpy can send MLX's reduction kernels into an endless
+    loop (``mx.var(mx.array(np.zeros((0, 3))), axis=0)`` hangs in most runs): it has no
+    values to copy, so it is made by MLX itself.
+    """
+    if a.size == 0:
+        return mx.zeros(a.shape, dtype=dtype)
+    if any(s < 0 for s in a.strides):
+        a = np.ascontiguousarray(a)
+    return mx.array(a, dtype=dtype)
+
+
 def _write(var: MLXParameter, value: Any) -> None:
     old = var._get()
     if not isinstance(value, mx.array):
-        value = mx.array(np.asarray(value), dtype=old.dtype)
+        value = _from_numpy(np.asarray(value), old.dtype)
     if tuple(value.shape) != tuple(old.shape):
         raise ShapeMismatchError(
             f"cannot assign an array of shape {tuple(value.shape)} to MLX parameter {var.name!r} of shape "
@@ -427,7 +448,7 @@ class MLXBackend(Backend):
         return isinstance(a, mx.array)
 
     def from_numpy(self, a: np.ndarray) -> Any:
-        return mx.array(a, dtype=_mx_dtype(a.dtype.name))  # a copy, in a's dtype
+        return _from_numpy(a, _mx_dtype(a.dtype.name))
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return _to_numpy(a.value if isinstance(a, MLXParameter) else a)
@@ -531,7 +552,7 @@ class MLXBackend(Backend):
             try:
                 (y, aux), grads = mx.value_and_grad(value)(values)
             except ValueError as err:
-                raise self._control_flow_error(err) from err
+                raise self._library_error(err) from err
             _evaluated(y, aux, grads, values)
         return y, aux, grads
 
@@ -544,7 +565,10 @@ class MLXBackend(Backend):
         def vjp(dy: Any) -> list:
             dy = self.cotangent(dy, y)
             with self._scope():
-                grads = mx.vjp(lambda *vs: value(list(vs))[0], values, [dy])[1]
+                try:
+                    grads = mx.vjp(lambda *vs: value(list(vs))[0], values, [dy])[1]
+                except ValueError as err:
+                    raise self._library_error(err) from err
                 _evaluated(grads)
             return grads
 
@@ -585,8 +609,12 @@ class MLXBackend(Backend):
         return optree.tree_map(fit, args) if args else args
 
     # ------------------------------------------------------------ compilation
-    def _control_flow_error(self, err: ValueError) -> Exception:
-        """Our error for MLX's refusal to evaluate a traced value, else ``err`` itself."""
+    def _library_error(self, err: ValueError) -> Exception:
+        """Our error for MLX's refusal to evaluate a traced value or to differentiate a
+        primitive that has no reverse rule, else ``err`` itself."""
+        missing = _NO_VJP.search(str(err))
+        if missing is not None:
+            return _no_vjp_error(missing.group(1))
         if _EVAL_IN_TRANSFORM not in str(err):
             return err
         fix = (
@@ -622,7 +650,7 @@ class MLXBackend(Backend):
             try:
                 return call(*args)
             except ValueError as err:
-                raise self._control_flow_error(err) from err
+                raise self._library_error(err) from err
 
     def _forward_or_reverse(self, fn: Any, operator: str, build: Callable[[_Traced, bool], Callable],
                             *args: Any) -> Any:
@@ -649,6 +677,8 @@ class MLXBackend(Backend):
         _evaluated(y, aux, xs, data)
 
         def vjp(dy: Any) -> list:
+            if _empty(xs):  # known without MLX (see _value_and_gradient_past_empty)
+                return [mx.zeros(x.shape, x.dtype) for x in xs]
             grads = self._call(backward, xs, data, dy)
             _evaluated(grads)
             return grads
@@ -661,6 +691,8 @@ class MLXBackend(Backend):
         _evaluated(y, aux, xs, data)
 
         def jvp(ts: list) -> Any:
+            if _empty(xs):
+                return mx.zeros(y.shape, y.dtype)
             dy = self._forward_or_reverse(fn, "jvp", _jvp, xs, data, list(ts))
             if dy.dtype != y.dtype:  # a float64 tangent must not widen a float32 result
                 dy = dy.astype(y.dtype)
@@ -674,6 +706,8 @@ class MLXBackend(Backend):
         return self.flat_prepare_value_and_gradient(fn, xs, data)(xs, data)
 
     def flat_prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable:
+        if any(x.size == 0 for x in xs):  # a prepared operator is called with these shapes only
+            return lambda xs, data: self._value_and_gradient_past_empty(fn, xs, data)
         compiled, traced = self._compiled(fn, "gradient", mx.value_and_grad)
         device = self.mx_device
 
@@ -682,13 +716,55 @@ class MLXBackend(Backend):
                 try:
                     (y, aux), grads = compiled(xs, data)
                 except ValueError as err:
-                    raise self._control_flow_error(err) from err
+                    raise self._library_error(err) from err
                 _evaluated(y, aux, grads, xs, data)
             return y, traced.aux(xs, data, aux), grads
 
         return run
 
+    def _value_and_gradient_past_empty(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
+        """``value_and_gradient`` where leaves of ``x`` have no elements: their gradients are
+        zeros of their shape, known without MLX, and only the other leaves reach
+        ``mx.value_and_grad`` (eagerly).  MLX's kernels over zero-size arrays have looped
+        forever (see :func:`_from_numpy`): a derivative known without them need not risk it."""
+        traced = _Traced(self, fn, "gradient")
+        kept = [i for i, x in enumerate(xs) if x.size]
+
+        def value(sub: list, data: list) -> tuple[Any, list]:
+            full = list(xs)
+            for i, v in zip(kept, sub):
+                full[i] = v
+            return traced(full, data)
+
+        with self._scope():
+            try:
+                if kept:
+                    (y, aux), sub = mx.value_and_grad(value)([xs[i] for i in kept], data)
+                else:
+                    (y, aux), sub = value([], data), []
+            except ValueError as err:
+                raise self._library_error(err) from err
+            grads = [mx.zeros(x.shape, x.dtype) for x in xs]
+            for i, g in zip(kept, sub):
+                grads[i] = g
+            _evaluated(y, aux, grads, xs, data)
+        return y, traced.aux(xs, data, aux), grads
+
+    def _value_of_empty(self, fn: FlatFn, xs: list, data: list, operator: str | None) -> Any:
+        """``f``'s value at an ``x`` with no elements (whose derivatives are known to be empty);
+        ``operator``: the one that needs a scalar ``y``, if any."""
+        with self._scope():
+            try:
+                y, _ = _Traced(self, fn, operator)(xs, data)
+            except ValueError as err:
+                raise self._library_error(err) from err
+            _evaluated(y, xs, data)
+        return y
+
     def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
+        if _empty(xs):
+            y = self._value_of_empty(fn, xs, data, None)
+            return y, [mx.zeros((*y.shape, *x.shape), y.dtype) for x in xs]
         try:
             y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
         except CompositionError:
@@ -699,11 +775,17 @@ class MLXBackend(Backend):
         return y, list(jacs)
 
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
+        if _empty(xs):
+            self._value_of_empty(fn, xs, data, "hessian")  # f's errors, a non-scalar y's
+            return mx.zeros((*xs[0].shape, *xs[0].shape), xs[0].dtype)
         h = self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data)
         _evaluated(h, xs, data)
         return h
 
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+        if _empty(xs):
+            self._value_of_empty(fn, xs, data, "hvp")
+            return [mx.zeros(x.shape, x.dtype) for x in xs]
         hv = self._forward_or_reverse(fn, "hvp", _hvp, xs, data, list(tangents))
         _evaluated(hv, xs, data)
         return list(hv)
@@ -715,6 +797,27 @@ class MLXBackend(Backend):
 # tangents when called), so each runs f again; Jacobians and Hessians vectorise over a
 # basis with mx.vmap.  With reverse=True, forward mode is replaced by reverse mode.
 _NO_JVP = re.compile(r"JVP\]? (is )?not (yet )?implemented", re.IGNORECASE)
+#: What MLX says when a primitive has no reverse rule ("[Primitive::vjp] Not implemented for QRF.")
+_NO_VJP = re.compile(r"vjp\] Not implemented for (\w+)")
+#: MLX's primitives without a reverse rule, and the functions that reach them
+_PRIMITIVE_FUNCTIONS = {
+    "QRF": "mx.linalg.qr", "LUF": "mx.linalg.lu, lu_factor, det or slogdet", "SVD": "mx.linalg.svd",
+    "Inverse": "mx.linalg.inv or tri_inv", "Cholesky": "mx.linalg.cholesky", "Eigh": "mx.linalg.eigh or eigvalsh",
+    "Eig": "mx.linalg.eig or eigvals",
+}
+
+
+def _no_vjp_error(primitive: str) -> CompositionError:
+    """The error for a primitive MLX cannot differentiate in reverse mode, and what to do instead."""
+    where = _PRIMITIVE_FUNCTIONS.get(primitive)
+    return CompositionError(
+        f"mlx backend: MLX has no derivative (no vjp rule) of its {primitive} primitive"
+        f"{f' (from {where})' if where else ''}, which f uses (MLX: \"[Primitive::vjp] Not implemented for "
+        f"{primitive}\"). Write f with the portable functions (docs/guide/portable.md: through autoray the mlx "
+        f"backend gives linalg.inv, solve, solve_triangular, cholesky, eigh, det and slogdet derivatives of "
+        f"every order), or differentiate it with another backend: ad.backend('finite_differences') for a first "
+        f"derivative, ad.SecondOrder(\"finite_differences\", b) where only a second-order operator fails"
+    )
 
 
 def _vjp(traced: _Traced) -> Callable:
@@ -1123,6 +1226,32 @@ def _eigh_jvp(a: Any, tangent: Any) -> tuple[Any, Any]:
     return mx.diagonal(vav, axis1=-2, axis2=-1), v @ (_eigh_gaps(w) * vav)
 
 
+# slogdet and det: MLX computes them from an LU factorisation, whose primitive has no vjp rule
+# ("[Primitive::vjp] Not implemented for LUF", n >= 4; 3x3 and smaller use a closed form), and
+# MLX's det of float64 goes through its float32-accurate exp.  d log|det a| = tr(a^{-1} da)
+# gives both rules, with _inv, so that derivatives of every order exist; det = sign * exp(log|det|).
+_slogdet = mx.custom_function(lambda a: tuple(mx.linalg.slogdet(a, stream=mx.cpu)))
+
+
+@_slogdet.vjp
+def _slogdet_vjp(a: Any, cotangents: Any, outputs: Any) -> Any:
+    dlog = cotangents[1]
+    if dlog is None:  # the sign alone: constant almost everywhere
+        return mx.zeros_like(_one(a))
+    return dlog[..., None, None] * _mT(_inv(_one(a)))
+
+
+@_slogdet.jvp
+def _slogdet_jvp(a: Any, tangent: Any) -> tuple[Any, Any]:
+    dlog = mx.sum(_mT(_inv(_one(a))) * _one(tangent), axis=(-2, -1))
+    return mx.zeros_like(dlog), dlog
+
+
+def _det(a: Any) -> Any:
+    sign, logabsdet = _slogdet(a)
+    return sign * (_exp64 if _wide(a) else mx.exp)(logabsdet)
+
+
 def _solve_triangular(a: Any, b: Any, lower: bool) -> Any:
     """``a x = b`` for triangular ``a``, as a solve with the triangle of ``a`` (differentiable)."""
     return _solve(mx.tril(a) if lower else mx.triu(a), b)
@@ -1230,6 +1359,8 @@ def _register_portable_functions() -> None:
         "linalg.solve_triangular": solve_triangular,
         "scipy.linalg.solve_triangular": solve_triangular,
         "linalg.cholesky": plain(_cholesky),
+        "linalg.slogdet": plain(_slogdet),
+        "linalg.det": plain(_det),
         "linalg.eigh": eigh,
         "linalg.eigvalsh": lambda a, UPLO="L": eigh(a, UPLO)[0],
         "scipy.special.gammaln": plain(_gammaln),

@@ -14,9 +14,13 @@ tangent and is a beta API.  Here one forward pass and one ``J^T u`` graph serve 
 tangent of a pushforward, with a way around each of paddle's failures
 (:data:`_DOUBLE_VJP_ROUTES`).
 
-paddle 3.3 has no second derivative for some ops (max, prod, softmax...): the autoray
-translations at the end of this module give the usual numpy names twice-differentiable
-versions, and errors from the others carry a note saying so.
+paddle 3.3 has no second derivative for some ops (max, prod, softmax, diagonal, tril...): the
+autoray translations at the end of this module give the usual numpy names twice-differentiable
+versions, and a second derivative through the others raises a
+:class:`~abstractdiff.CompositionError` naming the op and the fixes (see :func:`_translated`,
+which also names the dtype of a kernel paddle's CPU build lacks: float16).  paddle's gradients
+of ``linalg.solve`` and ``triangular_solve`` are wrong or crash with a constant operand: the
+translations use an explicit adjoint (:class:`_Solve`).
 
 Nested use: when an input already has ``stop_gradient=False`` and grad mode is on, we are
 inside an outer differentiation (an abstractdiff operator called in a function being
@@ -54,6 +58,7 @@ import optree
 
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import (
+    AbstractDiffError,
     ArgumentTypeError,
     CompositionError,
     DeviceError,
@@ -177,9 +182,62 @@ _HINTS = (
 )
 
 
+#: paddle 3.3's words for an op whose gradient has no derivative of its own (diagonal_grad...)
+_NO_GRAD_OP = re.compile(r"The Op (\w+) doesn't have any grad op")
+#: ... for a kernel its build lacks in a dtype (its CPU build has no float16 sin, multiply...)
+_NO_KERNEL = re.compile(r"kernel with key \((\w+), [^,]*, (\w+)\) of kernel `(\w+)` is not registered")
+#: ... for a second derivative through concat or stack of a constant with differentiated tensors
+_EMPTY_GRAD_SLOT = "Unable to fill empty grad inputs"
+_SECOND_ORDER_FIX = (
+    'ad.SecondOrder("finite_differences", b) (second-order operators as finite differences of paddle\'s '
+    "exact gradient)"
+)
+
+
+def _translated(err: BaseException) -> Exception | None:
+    """An abstractdiff error for a paddle failure whose cause and fix abstractdiff knows, else ``None``.
+
+    paddle raises these as RuntimeError or SystemError with its own internals in the message
+    (the grad op, the kernel key): the user needs which operation failed, why, and what to do.
+    """
+    if isinstance(err, AbstractDiffError):  # already ours (an operator nested in another)
+        return None
+    message = str(err)
+    missing = _NO_GRAD_OP.search(message)
+    if missing is not None:
+        op = missing.group(1)
+        out: Exception = CompositionError(
+            f"paddle backend: paddle 3.3 has no derivative of {op}, the gradient of paddle's "
+            f"{op.removesuffix('_grad')} (paddle: \"The Op {op} doesn't have any grad op\"), and a second "
+            f"derivative (hessian, hvp, forward mode through a gradient, an operator nested in another) needs "
+            f"one. Use {_SECOND_ORDER_FIX}, or write f with the portable functions (docs/guide/portable.md), "
+            f"which the paddle backend translates to ops that paddle differentiates twice"
+        )
+        out.add_note(_SECOND_DERIVATIVE_HINT)
+        return out
+    kernel = _NO_KERNEL.search(message)
+    if kernel is not None:
+        device, dtype, op = kernel.groups()
+        return ArgumentTypeError(
+            f"paddle backend: this paddle build has no {dtype} kernel of {op} on the {device} (paddle: "
+            f"\"The kernel with key ({device}, ..., {dtype}) of kernel `{op}` is not registered\"); compute in "
+            f"float32 on the {device} (x.astype('float32'), and float32 data), or in {dtype} on a GPU where "
+            f"paddle has such kernels (ad.backend('paddle', device='gpu'))"
+        )
+    if _EMPTY_GRAD_SLOT in message:
+        return CompositionError(
+            "paddle backend: paddle 3.3 cannot take a second derivative through paddle.concat or paddle.stack of "
+            "a constant with differentiated tensors (paddle: \"Unable to fill empty grad inputs due to empty "
+            "GradSlotMeta\"). Join them with autoray's concatenate or stack (the paddle backend translates "
+            f"them so that this works), give the constant stop_gradient=False, or use {_SECOND_ORDER_FIX}"
+        )
+    return None
+
+
 def _operator(method: Callable) -> Callable:
     """An operator (a method or a returned closure): in dynamic mode (see :func:`_dynamic`),
-    with a note on paddle's errors about higher derivatives it lacks."""
+    with paddle's errors about what it lacks made abstractdiff's (:func:`_translated`), or
+    given a note (:data:`_HINTS`)."""
     method = _dynamic(method)
 
     @functools.wraps(method)
@@ -192,6 +250,9 @@ def _operator(method: Callable) -> Callable:
             refused = _refusal(err)
             if refused is not None:
                 raise refused from err
+            translated = _translated(err)
+            if translated is not None:
+                raise translated from err
             if not isinstance(err, (RuntimeError, ValueError)):
                 raise
             message, notes = str(err), getattr(err, "__notes__", ())
@@ -219,6 +280,17 @@ def _detached(tree: Any) -> Any:
     return optree.tree_map(lambda v: v.detach() if isinstance(v, paddle.Tensor) else v, tree)
 
 
+#: paddle's backward engine is not safe to run from two threads at once (double frees and
+#: segfaults in pullback, hvp and second derivatives, issue 24 item 6); re-entrant, because a
+#: PyLayer's backward may call paddle.grad again on the same thread.
+_GRAD_LOCK = threading.RLock()
+
+
+def _paddle_grad(*args: Any, **kwargs: Any) -> Any:
+    with _GRAD_LOCK:
+        return paddle.grad(*args, **kwargs)
+
+
 def _grad(ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool = False,
           create_graph: bool = False, hidden: list = ()) -> list:  # type: ignore[assignment]
     """``paddle.grad`` of ``ys`` (cotangents ``dys``) for ``inputs``; ``None`` where unconnected.
@@ -232,14 +304,14 @@ def _grad(ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool
     if all(y.stop_gradient for y in ys):  # nothing differentiable reaches ys
         return [None] * len(inputs)
     if not hidden:
-        return list(paddle.grad(ys, inputs, dys, retain_graph=retain_graph or create_graph,
+        return list(_paddle_grad(ys, inputs, dys, retain_graph=retain_graph or create_graph,
                                 create_graph=create_graph, allow_unused=True))
     try:  # the graph is kept, for the second attempt
-        return list(paddle.grad(ys, inputs, dys, retain_graph=True, create_graph=create_graph, allow_unused=True))
+        return list(_paddle_grad(ys, inputs, dys, retain_graph=True, create_graph=create_graph, allow_unused=True))
     except RuntimeError as err:
         if _MISSING_INPUT_GRADIENT not in str(err):
             raise
-    grads = paddle.grad(ys, [*inputs, *hidden], dys, retain_graph=retain_graph or create_graph,
+    grads = _paddle_grad(ys, [*inputs, *hidden], dys, retain_graph=retain_graph or create_graph,
                         create_graph=create_graph, allow_unused=True)
     return list(grads[: len(inputs)])
 
@@ -504,14 +576,18 @@ class PaddleBackend(Backend):
 
     @staticmethod
     def _fit_to(variables: list, args: tuple) -> tuple:
-        # Data goes to the model's place and float data to the model's float dtype: a
-        # float64 batch for a float32 layer would fail in paddle's matmul.
-        place, dtype = variables[0].place, variables[0].dtype
+        # Data goes to the model's place and float data to the widest float dtype of the
+        # model's variables: a float64 batch for a float32 layer would fail in paddle's
+        # matmul, and the first variable's dtype would narrow the data a wider (float64)
+        # variable meets, losing its precision.
+        place = variables[0].place
+        floats = [v for v in variables if v.is_floating_point()]
+        dtype = max(floats, key=lambda v: v.element_size()).dtype if floats else None
 
         def fit(a: Any) -> Any:
             if not isinstance(a, paddle.Tensor):
                 return a
-            if a.is_floating_point() and a.dtype != dtype:
+            if dtype is not None and a.is_floating_point() and a.dtype != dtype:
                 a = paddle.cast(a, dtype)
             return a if a.place == place else a.to(place)
 
@@ -714,7 +790,7 @@ class PaddleBackend(Backend):
             if not pairs:  # y does not depend on xs
                 return paddle.zeros_like(y)
             inputs = [u, *rec.leaves, *rec.hidden] if route == "u and inputs" else [u]
-            out = paddle.grad([g for g, _ in pairs], inputs, [t for _, t in pairs], retain_graph=True,
+            out = _paddle_grad([g for g, _ in pairs], inputs, [t for _, t in pairs], retain_graph=True,
                               create_graph=rec.nested, allow_unused=True)[0]
             return paddle.zeros_like(y) if out is None else out
 
@@ -959,6 +1035,134 @@ class _Foreign(paddle.autograd.PyLayer):
 
 
 # ---------------------------------------------------------------------------------------
+# Linear solves with their adjoint.  paddle 3.3's own gradients of paddle.linalg.solve and
+# paddle.linalg.triangular_solve are wrong when only one of the two operands is
+# differentiated (a constant right-hand side: a GP likelihood's data): triangular_solve's
+# gradient with respect to the matrix reads the unset gradient of the right-hand side (off
+# by 100% and more, different from call to call), solve's crashes the process (a segfault);
+# and triangular_solve's gradient has no derivative of its own.
+def _mT(a: Any) -> Any:
+    perm = list(range(a.ndim))
+    perm[-2], perm[-1] = perm[-1], perm[-2]
+    return paddle.transpose(a, perm)
+
+
+_FLIPPED = {None: None, "lower": "upper", "upper": "lower"}
+
+
+def _constant(values: np.ndarray, like: Any, dtype: Any = None) -> Any:
+    """``values`` as a tensor where ``like`` is (a value to_static traces has no place: where the program runs)."""
+    return paddle.to_tensor(values, dtype=dtype, place=None if isinstance(like, paddle.pir.Value) else like.place)
+
+
+def _triangle(a: Any, triangle: str, k: int = 0) -> Any:
+    """``tril(a, k)`` or ``triu(a, k)`` as a product with a constant mask: paddle 3.3's tril_grad
+    and triu_grad have no derivative of their own."""
+    n, m = int(a.shape[-2]), int(a.shape[-1])
+    return a * _constant((np.tril if triangle == "lower" else np.triu)(np.ones((n, m)), k), a, a.dtype)
+
+
+class _Solve(paddle.autograd.PyLayer):
+    """``x = a^{-1} b`` for a matrix right-hand side ``b`` (``..., n, k``) and ``a`` square
+    (``triangle=None``) or triangular (``"lower"``, ``"upper"``: only that triangle is read).
+
+    The adjoint: ``db = a^{-T} dx`` and ``da = -db x^T`` (its triangle, for a triangular ``a``),
+    written with this layer again, so that derivatives of every order are right.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, a: Any, b: Any, triangle: str | None) -> Any:
+        ctx.triangle, ctx.needs = triangle, (not a.stop_gradient, not b.stop_gradient)
+        ctx.save_for_backward(a, b)
+        if triangle is None:
+            return paddle.linalg.solve(a, b)
+        return paddle.linalg.triangular_solve(a, b, upper=triangle == "upper")
+
+    @staticmethod
+    def backward(ctx: Any, dx: Any) -> tuple[Any, Any]:
+        a, b = ctx.saved_tensor()
+        triangle = ctx.triangle
+        db = _Solve.apply(_mT(a), dx, _FLIPPED[triangle])
+        da = None
+        if ctx.needs[0]:
+            # x again, as a function of a and b (not the saved value): a second derivative sees it
+            da = -(db @ _mT(_Solve.apply(a, b, triangle)))
+            da = da if triangle is None else _triangle(da, triangle)
+        return da, (db if ctx.needs[1] else None)
+
+
+class _Inverse(paddle.autograd.PyLayer):
+    """``inv(a)``, whose adjoint ``-inv^T g inv^T`` uses this layer again (paddle 3.3's
+    inverse_grad has no derivative of its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Any) -> Any:
+        ctx.save_for_backward(a)
+        return paddle.linalg.inv(a)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        (a,) = ctx.saved_tensor()
+        inverse_t = _mT(_Inverse.apply(a))
+        return -(inverse_t @ g @ inverse_t)
+
+
+class _Slogdet(paddle.autograd.PyLayer):
+    """``(sign, log|det a|)``: ``d log|det a| = tr(a^{-1} da)``, with :class:`_Inverse`
+    (paddle 3.3's slogdet_grad has no derivative of its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Any) -> tuple[Any, Any]:
+        ctx.save_for_backward(a)
+        out = paddle.linalg.slogdet(a)  # sign and log|det| stacked on a first axis
+        return out[0], out[1]
+
+    @staticmethod
+    def backward(ctx: Any, dsign: Any, dlog: Any) -> Any:
+        (a,) = ctx.saved_tensor()
+        if dlog is None:  # the sign alone: constant almost everywhere
+            return paddle.zeros_like(a)
+        return dlog.unsqueeze(-1).unsqueeze(-1) * _mT(_Inverse.apply(a))
+
+
+def _phi(a: Any) -> Any:
+    # the lower triangle, with half the diagonal
+    return _triangle(a, "lower") - 0.5 * a * _constant(np.eye(int(a.shape[-1])), a, a.dtype)
+
+
+class _Cholesky(paddle.autograd.PyLayer):
+    """numpy's (lower) ``cholesky(a)``, whose adjoint (JAX's) uses this layer and
+    :class:`_Inverse` again (paddle 3.3's cholesky_grad has no derivative of its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Any) -> Any:
+        ctx.save_for_backward(a)
+        return paddle.linalg.cholesky(a)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        (a,) = ctx.saved_tensor()
+        lower = _Cholesky.apply(a)
+        inverse = _Inverse.apply(lower)
+        out = _mT(inverse) @ _phi(_mT(lower) @ g) @ inverse
+        return 0.5 * (out + _mT(out))
+
+
+def _solved(a: Any, b: Any, triangle: str | None) -> Any:
+    """numpy's ``solve(a, b)`` (a 1-D ``b`` is a vector, batch axes broadcast) through :class:`_Solve`."""
+    vector = b.ndim == 1
+    if vector:
+        b = b.unsqueeze(-1)
+    batch = list(np.broadcast_shapes(tuple(int(d) for d in a.shape[:-2]), tuple(int(d) for d in b.shape[:-2])))
+    if [int(d) for d in a.shape[:-2]] != batch:
+        a = paddle.broadcast_to(a, batch + [int(d) for d in a.shape[-2:]])
+    if [int(d) for d in b.shape[:-2]] != batch:
+        b = paddle.broadcast_to(b, batch + [int(d) for d in b.shape[-2:]])
+    x = _Solve.apply(a, b, triangle)
+    return x.squeeze(-1) if vector else x
+
+
+# ---------------------------------------------------------------------------------------
 # Portable functions: autoray translations for numpy calls that paddle lacks, takes
 # differently, or cannot differentiate twice (paddle 3.3 has no double grad for max, min,
 # prod, logsumexp, softmax or p_norm: a Hessian or a pushforward through them fails).
@@ -1118,12 +1322,79 @@ def _register_portable_functions() -> None:
     def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
         if trans in (2, "C"):
             raise NotImplementedError("trans='C' is not supported on paddle tensors (real matrices: use 'T')")
-        vector = b.ndim == 1  # scipy takes a vector right-hand side, paddle a matrix
-        x = paddle.linalg.triangular_solve(
-            a, b.unsqueeze(-1) if vector else b, upper=not lower, transpose=trans in (1, "T"),
-            unitriangular=unit_diagonal,
-        )
-        return x.squeeze(-1) if vector else x
+        if unit_diagonal:  # the diagonal is not read: ones, and no derivative
+            a = _triangle(a, "lower", -1) + _triangle(a, "upper", 1) + paddle.eye(int(a.shape[-1]), dtype=a.dtype)
+        if trans in (1, "T"):
+            a, lower = _mT(a), not lower
+        return _solved(a, like(b, a), "lower" if lower else "upper")
+
+    def solve(a, b):
+        return _solved(a, like(b, a), None)
+
+    # paddle's own first derivatives of these are right: a program to_static traces (compile=True,
+    # first order only) keeps them, and PyLayers, which to_static does not convert
+    def inv(a):
+        return paddle.linalg.inv(a) if isinstance(a, paddle.pir.Value) else _Inverse.apply(a)
+
+    def cholesky(a, upper=False):
+        lower = paddle.linalg.cholesky(a) if isinstance(a, paddle.pir.Value) else _Cholesky.apply(a)
+        return _mT(lower) if upper else lower
+
+    def slogdet(a):
+        if isinstance(a, paddle.pir.Value):
+            out = paddle.linalg.slogdet(a)
+            return out[0], out[1]
+        return _Slogdet.apply(a)
+
+    def det(a):
+        if isinstance(a, paddle.pir.Value):
+            return paddle.linalg.det(a)
+        sign, logabsdet = _Slogdet.apply(a)
+        return sign * paddle.exp(logabsdet)
+
+    # diagonal, trace, diag, tril and triu: paddle 3.3's diagonal_grad, trace_grad, diag_grad,
+    # tril_grad and triu_grad have no derivative of their own; a gather and products with
+    # constant masks have derivatives of every order
+    def diagonal(a, offset=0, axis1=0, axis2=1):
+        a = paddle.moveaxis(a, [axis1, axis2], [-2, -1])
+        n, m = int(a.shape[-2]), int(a.shape[-1])
+        rows = np.arange(max(0, -offset), min(n, m - offset))
+        flat = a.reshape([int(d) for d in a.shape[:-2]] + [n * m])
+        index = _constant(rows * m + rows + offset, a)
+        return paddle.index_select(flat, index, axis=-1)
+
+    def trace(a, offset=0, axis1=0, axis2=1, dtype=None, out=None):
+        if dtype is not None or out is not None:
+            raise NotImplementedError("trace's dtype= and out= are not supported on paddle tensors")
+        return paddle.sum(diagonal(a, offset, axis1, axis2), axis=-1)
+
+    def diag(v, k=0):
+        if v.ndim != 1:
+            return diagonal(v, k)
+        n = int(v.shape[0]) + abs(k)
+        # v's entries on the rows of the k-th diagonal (a constant selection matrix), masked
+        select = np.eye(n, int(v.shape[0]), min(k, 0))
+        return (_constant(select, v, v.dtype) @ v).unsqueeze(-1) * _constant(np.eye(n, k=k), v, v.dtype)
+
+    def triangle(kind: str) -> Callable:
+        def numpy_like(m, k=0):
+            return _triangle(m, kind, k)
+
+        return numpy_like
+
+    def pad(array, pad_width, mode="constant", constant_values=0, **kwargs):
+        # numpy's widths: an int, (n,), (before, after), ((before, after),) or one pair per axis;
+        # paddle's: before and after of each axis, flat
+        if mode != "constant" or kwargs:
+            raise NotImplementedError("pad supports mode='constant' only on paddle tensors")
+        if np.ndim(constant_values) != 0:
+            raise NotImplementedError("pad supports one scalar constant_values only on paddle tensors")
+        widths = np.asarray(pad_width)
+        if widths.dtype.kind not in "iu" or (widths < 0).any():
+            raise ValueError(f"pad_width must be non-negative integers, got {pad_width!r}")
+        pairs = np.broadcast_to(widths, (array.ndim, 2))
+        return paddle.nn.functional.pad(array, [int(w) for w in pairs.ravel()], mode="constant",
+                                        value=float(constant_values))
 
     def joined(op: Callable) -> Callable:
         # numpy joins numpy arrays with tensors (autoray dispatches on like=x); paddle wants
@@ -1133,8 +1404,19 @@ def _register_portable_functions() -> None:
                 raise NotImplementedError("out= and dtype= are not supported on paddle tensors")
             ref = next((a for a in arrays if isinstance(a, paddle.Tensor)), None)
             place = None if ref is None else ref.place
-            return op([a if isinstance(a, _ARRAYS) else paddle.to_tensor(np.asarray(a), place=place) for a in arrays],
-                      axis=axis)
+            # paddle 3.3's second derivative of concat or stack fails on a constant among
+            # differentiated tensors ("Unable to fill empty grad inputs"): with differentiated
+            # ones, each float constant joins as a new leaf of its own (nothing differentiates it)
+            differentiated = any(_needs_grad(a) for a in arrays)
+
+            def joinable(a: Any) -> Any:
+                if not isinstance(a, _ARRAYS):
+                    a = paddle.to_tensor(np.asarray(a), place=place)
+                if differentiated and isinstance(a, paddle.Tensor) and a.stop_gradient and a.is_floating_point():
+                    a = _fresh(a)
+                return a
+
+            return op([joinable(a) for a in arrays], axis=axis)
 
         return numpy_like
 
@@ -1168,6 +1450,17 @@ def _register_portable_functions() -> None:
         "dot": dot,
         "roll": roll,
         "repeat": repeat,
+        "linalg.solve": solve,
+        "linalg.inv": inv,
+        "linalg.slogdet": slogdet,
+        "linalg.det": det,
+        "linalg.cholesky": cholesky,
+        "diagonal": diagonal,
+        "trace": trace,
+        "diag": diag,
+        "tril": triangle("lower"),
+        "triu": triangle("upper"),
+        "pad": pad,
         "linalg.solve_triangular": solve_triangular,
         "scipy.linalg.solve_triangular": solve_triangular,
         "arcsin": unary(paddle.asin),

@@ -21,6 +21,7 @@ def test_every_subpackage_is_in_the_wheel():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             name = ".".join((package, *rel.parts)) if rel.parts else package
-            if not any(name.startswith(other + ".") for other in dirs if other != package and len(other) > len(package)):
+            deeper = [other for other in dirs if other != package and len(other) > len(package)]
+            if not any(name.startswith(other + ".") for other in deeper):  # mapped to a folder of its own
                 on_disk.add(name)
     assert on_disk <= listed, f"subpackages missing from pyproject's packages list: {sorted(on_disk - listed)}"

@@ -30,16 +30,9 @@ THREADS, CALLS = 8, 2
 JOIN_TIMEOUT_S = 120  # a thread still running after this is a deadlock
 BACKENDS = [name for name in ad.registered_backends() if name != "implicit"]
 
-# Known gaps, by backend.  run=False: the failure is a crash of the whole process, which
-# no xfail can catch; the case is listed (and reported as xfailed) rather than run.
-XFAILS = {
-    "paddle": pytest.mark.xfail(
-        run=False,
-        reason="paddle's eager backward engine (paddle.grad) is not thread-safe: concurrent pullback, "
-        "derivative, hvp and second_derivative crash the process (SIGSEGV, 'double free or corruption'); "
-        "fix: one module-level lock around every paddle.grad call in adapters/paddle.py",
-    ),
-}
+# Known gaps, by backend (none now: paddle's backward engine is serialised by the adapter).
+# run=False would be needed for a crash of the whole process, which no xfail can catch.
+XFAILS: dict[str, Any] = {}
 
 
 def backend_or_skip(name: str, **options: Any) -> ad.Backend:
