@@ -62,6 +62,7 @@ from abstractdiff._errors import (
     ArgumentTypeError,
     CompositionError,
     DeviceError,
+    InvalidArgumentError,
     InvalidOutputError,
     ModeMismatchError,
     NonDifferentiableInputError,
@@ -1391,7 +1392,7 @@ def _register_portable_functions() -> None:
             raise NotImplementedError("pad supports one scalar constant_values only on paddle tensors")
         widths = np.asarray(pad_width)
         if widths.dtype.kind not in "iu" or (widths < 0).any():
-            raise ValueError(f"pad_width must be non-negative integers, got {pad_width!r}")
+            raise InvalidArgumentError(f"pad_width must be non-negative integers, got {pad_width!r}")
         pairs = np.broadcast_to(widths, (array.ndim, 2))
         return paddle.nn.functional.pad(array, [int(w) for w in pairs.ravel()], mode="constant",
                                         value=float(constant_values))
