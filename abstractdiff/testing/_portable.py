@@ -9,8 +9,11 @@ users reach for first: ``"logsumexp"`` (``scipy.special.logsumexp``) and
 ``"linalg.solve_triangular"`` (``scipy.linalg.solve_triangular``).
 
 ``conformance_tests/test_portable.py`` checks every entry on every backend (value
-against the reference, gradient against finite differences, dtype kept) and generates
-``docs/guide/portable.md`` from this table.  The translations that make every entry
+against the reference; the gradient of a nonlinear scalar of the value against finite
+differences; its Hessian-vector product against jax in float64; dtype kept) and generates
+``docs/guide/portable.md`` from this table.  The matrix functions carry a second point
+(``resized``: the same call at n = 6, besides the n = 3 of ``wrt``), because some
+libraries' derivatives are right at 3x3 only.  The translations that make every entry
 work live in each adapter (``_register_portable_functions``): importing this module
 imports no AD library, and scipy only when a reference is evaluated.
 
@@ -47,6 +50,7 @@ class Portable:
     data: tuple[tuple[str, np.ndarray], ...] = ()
     id: str = ""  # unique test id (defaults to the name)
     note: str = ""  # shown on the docs page
+    resized: tuple[tuple[str, np.ndarray], ...] = ()  # a second point: inputs replaced by name (n = 6)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -63,17 +67,26 @@ class Portable:
             fn = _FUNCTIONS[self.call] = eval(f"lambda {names}: {self.call}", {"do": autoray.do, "ar": autoray})
         return fn
 
-    def inputs(self, dtype: str = "float64") -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """``(wrt, data)`` as numpy arrays, float arrays in ``dtype``."""
+    @property
+    def points(self) -> tuple[int, ...]:
+        """The indices of the entry's points: ``(0,)``, or ``(0, 1)`` with a ``resized`` one."""
+        return (0, 1) if self.resized else (0,)
 
-        def cast(a: np.ndarray) -> np.ndarray:
+    def inputs(self, dtype: str = "float64", point: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """``(wrt, data)`` at ``point`` as numpy arrays, float arrays in ``dtype``."""
+        if point not in self.points:
+            raise IndexError(f"{self.id} has points {self.points}, not {point}")
+        replaced = dict(self.resized) if point else {}
+
+        def cast(name: str, a: np.ndarray) -> np.ndarray:
+            a = replaced.get(name, a)
             return a.astype(dtype) if a.dtype.kind == "f" else a
 
-        return [cast(a) for _, a in self.wrt], [cast(a) for _, a in self.data]
+        return [cast(n, a) for n, a in self.wrt], [cast(n, a) for n, a in self.data]
 
-    def expected(self, dtype: str = "float64") -> np.ndarray:
-        """The reference value, computed in float64 from the inputs rounded to ``dtype``."""
-        wrt, data = self.inputs(dtype)
+    def expected(self, dtype: str = "float64", point: int = 0) -> np.ndarray:
+        """The reference value at ``point``, computed in float64 from the inputs rounded to ``dtype``."""
+        wrt, data = self.inputs(dtype, point)
         widen = [a.astype(np.float64) if a.dtype.kind == "f" else a for a in (*wrt, *data)]
         return np.asarray(self.reference(*widen), dtype=np.float64)
 
@@ -94,12 +107,24 @@ K2 = np.array([[1.0, 0.5], [-0.3, 0.8]])
 K2B = np.array([[0.2, -1.0], [0.7, 0.4]])
 IDX = np.array([2, 0, 3])
 IDX2 = np.array([[3, 1], [0, 0], [2, 3]])
+# The second points of the matrix functions (n = 6): well conditioned, distinct eigenvalues
+# and singular values (gaps > 0.07), so that every derivative is defined and smooth there.
+A6 = np.eye(6) * 1.2 + ((((np.arange(36) * 7) % 13) - 6) / 40.0).reshape(6, 6)
+V6 = np.array([0.4, -0.9, 1.3, 0.2, -0.5, 0.8])
+B6 = np.stack([V6, np.cos(np.arange(6.0))], axis=1)
+TALL6 = (((np.arange(42) * 11) % 17) + 1.0).reshape(7, 6) / 18.0 + np.eye(7, 6)
+M6 = np.ascontiguousarray(TALL6.T)  # contiguous: the inputs are plain arrays, as a user's usually are
 
 
 def _sp(module: str) -> Any:
     import importlib
 
     return importlib.import_module(f"scipy.{module}")
+
+
+def _n6(**inputs: np.ndarray) -> tuple[tuple[str, np.ndarray], ...]:
+    """The inputs of an entry's second point, by name."""
+    return tuple(inputs.items())
 
 
 def _P(name: str, category: str, call: str, reference: Callable[..., Any], wrt: dict, data: dict | None = None,
@@ -130,34 +155,41 @@ PORTABLE: tuple[Portable, ...] = (
        id="linalg.norm-axis"),
     _P("linalg.norm", _R, 'do("linalg.norm", x)', lambda x: np.linalg.norm(x), {"x": M}, id="linalg.norm-frobenius"),
     # -------------------------------------------------------------- linear algebra
-    _P("matmul", _L, 'do("matmul", a, b)', lambda a, b: a @ b, {"a": M, "b": B}),
+    _P("matmul", _L, 'do("matmul", a, b)', lambda a, b: a @ b, {"a": M, "b": B}, resized=_n6(a=A6, b=B6)),
     _P("dot", _L, 'do("dot", a, v)', lambda a, v: np.dot(a, v), {"a": M, "v": V4}),
     _P("einsum", _L, 'do("einsum", "ij,jk->ik", a, b)', lambda a, b: np.einsum("ij,jk->ik", a, b), {"a": M, "b": B}),
     _P("tensordot", _L, 'do("tensordot", a, b, axes=1)', lambda a, b: np.tensordot(a, b, axes=1), {"a": M, "b": B}),
     _P("outer", _L, 'do("outer", u, v)', lambda u, v: np.outer(u, v), {"u": V3, "v": V4}),
     _P("kron", _L, 'do("kron", a, b)', lambda a, b: np.kron(a, b), {"a": K2, "b": K2B}),
-    _P("trace", _L, 'do("trace", a)', lambda a: np.trace(a), {"a": A}),
+    _P("trace", _L, 'do("trace", a)', lambda a: np.trace(a), {"a": A}, resized=_n6(a=A6)),
     _P("diagonal", _L, 'do("diagonal", a, offset=1)', lambda a: np.diagonal(a, offset=1), {"a": M}),
-    _P("linalg.inv", _L, 'do("linalg.inv", a)', lambda a: np.linalg.inv(a), {"a": A}),
+    _P("linalg.inv", _L, 'do("linalg.inv", a)', lambda a: np.linalg.inv(a), {"a": A}, resized=_n6(a=A6)),
     _P("linalg.solve", _L, 'do("linalg.solve", a, b)', lambda a, b: np.linalg.solve(a, b), {"a": A, "b": V3},
-       note="1-d right-hand side"),
+       note="1-d right-hand side", resized=_n6(a=A6, b=V6)),
+    _P("linalg.solve", _L, 'do("linalg.solve", a, b)', lambda a, b: np.linalg.solve(a, b),
+       {"a": A, "b": V3[:, None]}, id="linalg.solve-column", note="an (n, 1) right-hand side",
+       resized=_n6(a=A6, b=V6[:, None])),
     _P("linalg.solve_triangular", _L, 'do("linalg.solve_triangular", do("tril", a), b, lower=True)',
        lambda a, b: _sp("linalg").solve_triangular(np.tril(a), b, lower=True), {"a": A, "b": V3},
-       note="scipy.linalg.solve_triangular's semantics"),
+       note="scipy.linalg.solve_triangular's semantics", resized=_n6(a=A6, b=V6)),
     _P("scipy.linalg.solve_triangular", _L, 'do("scipy.linalg.solve_triangular", do("triu", a), b, lower=False)',
-       lambda a, b: _sp("linalg").solve_triangular(np.triu(a), b, lower=False), {"a": A, "b": B[:3]}),
-    _P("linalg.cholesky", _L, 'do("linalg.cholesky", a @ do("transpose", a) + 3.0 * do("eye", 3, like=a))',
-       lambda a: np.linalg.cholesky(a @ a.T + 3.0 * np.eye(3)), {"a": A}),
-    _P("linalg.det", _L, 'do("linalg.det", a)', lambda a: np.linalg.det(a), {"a": A}),
-    _P("linalg.slogdet", _L, 'do("linalg.slogdet", a)[1]', lambda a: np.linalg.slogdet(a)[1], {"a": A}),
+       lambda a, b: _sp("linalg").solve_triangular(np.triu(a), b, lower=False), {"a": A, "b": B[:3]},
+       resized=_n6(a=A6, b=B6)),
+    _P("linalg.cholesky", _L, 'do("linalg.cholesky", a @ do("transpose", a) + 3.0 * do("eye", a.shape[0], like=a))',
+       lambda a: np.linalg.cholesky(a @ a.T + 3.0 * np.eye(len(a))), {"a": A}, resized=_n6(a=A6)),
+    _P("linalg.det", _L, 'do("linalg.det", a)', lambda a: np.linalg.det(a), {"a": A}, resized=_n6(a=A6)),
+    _P("linalg.slogdet", _L, 'do("linalg.slogdet", a)[1]', lambda a: np.linalg.slogdet(a)[1], {"a": A},
+       resized=_n6(a=A6)),
     _P("linalg.eigh", _L, 'do("linalg.eigh", a + do("transpose", a))[0]',
-       lambda a: np.linalg.eigh(a + a.T)[0], {"a": A}, note="eigenvalues (eigenvectors have a sign freedom)"),
+       lambda a: np.linalg.eigh(a + a.T)[0], {"a": A}, note="eigenvalues (eigenvectors have a sign freedom)",
+       resized=_n6(a=A6)),
     _P("linalg.eigvalsh", _L, 'do("linalg.eigvalsh", a + do("transpose", a))',
-       lambda a: np.linalg.eigvalsh(a + a.T), {"a": A}),
+       lambda a: np.linalg.eigvalsh(a + a.T), {"a": A}, resized=_n6(a=A6)),
     _P("linalg.svd", _L, 'do("linalg.svd", a)[1]', lambda a: np.linalg.svd(a)[1], {"a": M},
-       note="singular values (the vectors have a sign freedom)"),
+       note="singular values (the vectors have a sign freedom)", resized=_n6(a=M6)),
     _P("linalg.qr", _L, 'do("abs", do("diagonal", do("linalg.qr", a)[1]))',
-       lambda a: np.abs(np.diagonal(np.linalg.qr(a)[1])), {"a": TALL}, note="|diag R| (R's signs are a convention)"),
+       lambda a: np.abs(np.diagonal(np.linalg.qr(a)[1])), {"a": TALL}, note="|diag R| (R's signs are a convention)",
+       resized=_n6(a=TALL6)),
     # -------------------------------------------------------------- indexing and shape
     _P("take", _S, 'do("take", x, i, axis=1)', lambda x, i: np.take(x, i, axis=1), {"x": M}, {"i": IDX},
        note="integer indices as data"),
@@ -168,6 +200,7 @@ PORTABLE: tuple[Portable, ...] = (
        {"x": M}, note="integer result, used as an index"),
     _P("reshape", _S, 'do("reshape", x, (4, 3))', lambda x: np.reshape(x, (4, 3)), {"x": M}),
     _P("ravel", _S, 'do("ravel", x)', lambda x: np.ravel(x), {"x": M}),
+    _P("copy", _S, 'do("copy", x)', lambda x: np.copy(x), {"x": M}, note="a copy keeps the derivative"),
     _P("transpose", _S, 'do("transpose", x, (2, 0, 1))', lambda x: np.transpose(x, (2, 0, 1)), {"x": T}),
     _P("moveaxis", _S, 'do("moveaxis", x, 0, -1)', lambda x: np.moveaxis(x, 0, -1), {"x": T}),
     _P("swapaxes", _S, 'do("swapaxes", x, 0, 2)', lambda x: np.swapaxes(x, 0, 2), {"x": T}),
@@ -182,6 +215,10 @@ PORTABLE: tuple[Portable, ...] = (
     _P("triu", _S, 'do("triu", x, k=1)', lambda x: np.triu(x, k=1), {"x": M}),
     _P("pad", _S, 'do("pad", x, ((1, 0), (0, 2)))', lambda x: np.pad(x, ((1, 0), (0, 2))), {"x": M},
        note="constant mode"),
+    _P("pad", _S, 'do("pad", x, 1)', lambda x: np.pad(x, 1), {"x": M}, id="pad-flat",
+       note="one width for every side"),
+    _P("pad", _S, 'do("pad", x, (1, 2))', lambda x: np.pad(x, (1, 2)), {"x": M}, id="pad-pair",
+       note="one (before, after) pair for every axis"),
     _P("where", _S, 'do("where", x > 0.5, x, x**2)', lambda x: np.where(x > 0.5, x, x**2), {"x": M}),
     _P("where", _S, 'do("where", m, x, 0.0)', lambda x, m: np.where(m, x, 0.0), {"x": M}, {"m": M2 > 0.5},
        id="where-mask", note="a boolean mask as data"),

@@ -623,6 +623,122 @@ def _pytree_hessian(dt: str) -> Scenario:
     )
 
 
+# ------------------------------------------------------------------- linear algebra
+# Nonlinear scalar losses at n >= 4: a cotangent that depends on the solution, and sizes past
+# 3x3, are where libraries' linear-algebra derivatives have been wrong (paddle's triangular
+# solve, MLX's det and slogdet past n = 3).  The gradients are closed forms; the
+# Hessian-vector products are complex steps of them (every formula below is analytic,
+# so its complex step is exact to rounding, as in _mlp).
+
+
+def _spd(b: np.ndarray) -> np.ndarray:
+    """``B B^T + n I``: symmetric positive definite for any ``B``."""
+    return b @ b.T + len(b) * np.eye(len(b))
+
+
+def _complex_step(grad: Callable[[np.ndarray], Any], x: Any, tangent: Any) -> Any:
+    """``H t`` from a closed-form gradient written with analytic operations only."""
+    step = 1e-30
+    moved = optree.tree_map(lambda a, t: np.asarray(a, np.float64) + 1j * step * np.asarray(t, np.float64),
+                            x, tangent)
+    return optree.tree_map(lambda g: np.imag(g) / step, grad(moved))
+
+
+def _cholesky_analytic(a: np.ndarray) -> np.ndarray:
+    """Cholesky without conjugation (numpy's conjugates complex input): analytic, for the complex step."""
+    n = len(a)
+    lower = np.zeros_like(a)
+    for j in range(n):
+        lower[j, j] = np.sqrt(a[j, j] - np.sum(lower[j, :j] ** 2))
+        for i in range(j + 1, n):
+            lower[i, j] = (a[i, j] - np.sum(lower[i, :j] * lower[j, :j])) / lower[j, j]
+    return lower
+
+
+def _cholesky_sin_grad(b: np.ndarray) -> np.ndarray:
+    """d sum(sin(L)) / dB for L = cholesky(B B^T + n I) (Murray 2016, eq. 10, through A = B B^T + n I)."""
+    lower = _cholesky_analytic(_spd(b))
+    bar_l = np.tril(np.cos(lower))  # L's upper triangle is constant zero: no cotangent
+    phi = np.tril(lower.T @ bar_l)
+    phi[np.diag_indices(len(b))] *= 0.5
+    inv = np.linalg.inv(lower)
+    bar_a = inv.T @ phi @ inv
+    return (bar_a + bar_a.T) @ b  # dA = dB B^T + B dB^T: the symmetric part, twice
+
+
+def _cholesky(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(b, shift):
+        return anp.sum(anp.sin(anp.linalg.cholesky(b @ anp.transpose(b) + shift)))
+
+    rng = _rng(14)
+    n = 4
+    b = rng.uniform(-1, 1, (n, n)).astype(dt)
+    shift = (n * np.eye(n)).astype(dt)
+    ub = _up(b)
+    tangent = _tangent_like(b, rng)
+    return Scenario(
+        "cholesky_sin", f, b, (shift,), value=np.sum(np.sin(np.linalg.cholesky(_spd(ub)))),
+        gradient=_cholesky_sin_grad(ub), hvp=_complex_step(_cholesky_sin_grad, ub, tangent), tangent=tangent,
+        description="sum(sin(cholesky(B B^T + n I))), n = 4: a cotangent that depends on L",
+    )
+
+
+def _triangular_grad(x: dict) -> dict:
+    """d sum(X**2) for X = solve_triangular(tril(L), B, lower=True): dB = L^{-T} 2X, dL = -tril(dB X^T)."""
+    lower = np.tril(x["l"])
+    sol = np.linalg.solve(lower, x["b"])
+    bar_b = np.linalg.solve(lower.T, 2 * sol)
+    return {"l": -np.tril(bar_b @ sol.T), "b": bar_b}
+
+
+def _triangular_solve(dt: str) -> Scenario:
+    anp = _ar()
+    from autoray import do
+
+    def f(x):
+        sol = do("linalg.solve_triangular", anp.tril(x["l"]), x["b"], lower=True)  # a portable name
+        return anp.sum(sol**2)
+
+    rng = _rng(15)
+    n = 4
+    x = {"l": (np.tril(rng.uniform(-0.5, 0.5, (n, n))) + 1.5 * np.eye(n)).astype(dt),
+         "b": rng.uniform(-1, 1, (n, 3)).astype(dt)}
+    u = _up(x)
+    tangent = _tangent_like(x, rng)
+    sol = np.linalg.solve(np.tril(u["l"]), u["b"])
+    return Scenario(
+        "triangular_solve_squares", f, x, value=np.sum(sol**2), gradient=_triangular_grad(u),
+        hvp=_complex_step(_triangular_grad, u, tangent), tangent=tangent,
+        description="sum(solve_triangular(L, B, lower=True)**2), n = 4, with respect to L and B",
+    )
+
+
+def _slogdet_grad(b: np.ndarray) -> np.ndarray:
+    """d logdet(A) / dB = 2 A^{-1} B for A = B B^T + n I (d logdet(A) / dA = A^{-T}, A symmetric)."""
+    return 2 * np.linalg.solve(_spd(b), b)
+
+
+def _slogdet(dt: str) -> Scenario:
+    anp = _ar()
+
+    def f(b, shift):
+        return anp.linalg.slogdet(b @ anp.transpose(b) + shift)[1]
+
+    rng = _rng(16)
+    n = 5
+    b = rng.uniform(-1, 1, (n, n)).astype(dt)
+    shift = (n * np.eye(n)).astype(dt)
+    ub = _up(b)
+    tangent = _tangent_like(b, rng)
+    return Scenario(
+        "slogdet_spd", f, b, (shift,), value=np.linalg.slogdet(_spd(ub))[1], gradient=_slogdet_grad(ub),
+        hvp=_complex_step(_slogdet_grad, ub, tangent), tangent=tangent,
+        description="log|det(B B^T + n I)|, n = 5",
+    )
+
+
 _BUILDERS: tuple[Callable[[str], Scenario], ...] = (
     _scalar_input,
     _scalar_to_vector,
@@ -639,6 +755,9 @@ _BUILDERS: tuple[Callable[[str], Scenario], ...] = (
     _matrix_output,
     _rosenbrock,
     _pytree_hessian,
+    _cholesky,
+    _triangular_solve,
+    _slogdet,
 )
 
 DTYPES: tuple[str, ...] = ("float64", "float32")
