@@ -245,3 +245,25 @@ def test_a_class_registered_only_with_jax_is_refused_on_every_backend(eager):
         JaxRegistered._registered = True
     with pytest.raises(ad.NonDifferentiableInputError, match="jax library's own pytree registry"):
         ad.gradient(eager, lambda p: anp.sum(p.w**2), JaxRegistered(np.ones(2)))
+
+
+# ------------------------------------------- scenarios a third-party library cannot run
+def test_every_builtin_backend_runs_every_default_scenario(eager):
+    from abstractdiff import testing
+    from abstractdiff.testing._check import missing_functions
+
+    needed = sorted({name for s in testing.default_scenarios() for name in s.requires})
+    assert {"linalg.cholesky", "linalg.slogdet", "linalg.solve_triangular"} <= set(needed)
+    assert missing_functions(eager, needed) == []
+
+
+def test_a_scenario_the_library_cannot_run_is_reported_not_run():
+    from abstractdiff import testing
+
+    s = testing.Scenario("needs_a_missing_function", lambda x: anp.sum(x**2), np.ones(2),
+                         value=2.0, gradient=np.full(2, 2.0), requires=("no_such_function_anywhere",))
+    report = testing.check_backend("finite_differences", [s])
+    assert report.ok and report.results == []
+    assert report.not_run == [("needs_a_missing_function[float64]", "finite_differences's library has no "
+                               "no_such_function_anywhere (autoray finds none)")]
+    assert "not run:" in str(report)

@@ -181,6 +181,8 @@ class Report:
         # (scenario id, operator, part) -> numpy result, for cross-backend comparisons
         self.outputs: dict[tuple[str, str, str], Any] = {}
         self.errors: dict[tuple[str, str], str] = {}
+        #: (scenario id, reason) of scenarios not run: the library lacks a function they need
+        self.not_run: list[tuple[str, str]] = []
 
     @property
     def ok(self) -> bool:
@@ -208,6 +210,7 @@ class Report:
         return {
             "backend": self.backend, "device": self.device, "ok": self.ok, "seconds": self.seconds,
             "results": [r.to_dict() for r in self.results], "failures": [str(f) for f in self.failures],
+            "not_run": [list(entry) for entry in self.not_run],
         }
 
     def table(self) -> str:
@@ -234,6 +237,9 @@ class Report:
         n_fail = sum(not r.ok for r in self.results)
         status = "all passed" if n_fail == 0 else f"{n_fail} of {len(self.results)} failed"
         out = [f"{self.title}: {status} ({self.seconds:.2f} s)", self.table()]
+        if self.not_run:
+            out.append("not run:")
+            out.extend(f"  {scenario}: {reason}" for scenario, reason in self.not_run)
         failures = self.failures
         if failures:
             out.append("failures:")
@@ -569,6 +575,27 @@ def _grads_as_tree(s: Scenario, vs: Any, float_vars: list, grads: Any) -> Any:
 IMPLICIT_OPERATORS = ("gradient", "value_and_gradient", "pullback")
 
 
+def missing_functions(b: Backend, names: Sequence[str]) -> list[str]:
+    """Which of the portable functions ``names`` autoray finds no implementation of for
+    ``b``'s arrays (a third-party adapter's library without linear algebra)."""
+    if not names:
+        return []
+    import autoray
+
+    inner = getattr(b, "inner", b)  # ad.Implicit: the arrays are its inner backend's
+    try:
+        library = autoray.infer_backend(inner.asarray(np.zeros(2)))
+    except Exception:  # noqa: BLE001  no array to ask about: run, and let the scenario say what fails
+        return []
+    out = []
+    for name in names:
+        try:
+            autoray.get_lib_fn(library, name)
+        except (ImportError, AttributeError):
+            out.append(name)
+    return out
+
+
 def check_backend(
     b: Backend | str,
     scenarios: Iterable[Scenario] | None = None,
@@ -611,6 +638,10 @@ def check_backend(
     report = Report(label, b.device)
     implicit = is_implicit(b)
     for s in scenarios:
+        missing = missing_functions(b, s.requires)
+        if missing:
+            report.not_run.append((s.id, f"{label}'s library has no {', '.join(missing)} (autoray finds none)"))
+            continue
         ops = [op for op in s.operators if operators is None or op in operators]
         if implicit:
             state: dict = {}
