@@ -341,13 +341,13 @@ def _refuse_traced(owner: DifferentiateWith, keyed_by_identity: list, what: str)
 
 
 def _snapshot(kernel_backend: Any, tree: Any) -> Any:
-    """``tree`` with its arrays copied: numpy's and the kernel library's as they are, another
-    library's (the caller's data) as the kernel library's arrays, which ``f`` is written for."""
+    """``tree`` with its arrays copied, as the kernel library's arrays, which ``f`` is written for
+    (numpy data too: a torch kernel's ``x * w`` cannot take a numpy ``w``)."""
     from ._registry import backend_for
 
     def leaf(v: Any) -> Any:
         if isinstance(v, np.ndarray):
-            return v.copy()
+            return kernel_backend.asarray(v.copy())
         lib = backend_for(v)
         if lib is None or not lib.is_native(v):
             return v
@@ -399,7 +399,7 @@ def differentiate_with(f: Callable[..., Any], backend: Any) -> DifferentiateWith
     both computed by ``backend``, through its own custom-derivative mechanism.  Outside
     any differentiation it is ``f`` converted to and from the caller's array type.  ``x``
     is a pytree whose float leaves share one dtype; ``args`` are passed to ``f`` (not
-    differentiated), another library's arrays among them as ``backend``'s arrays; they must be
+    differentiated), their arrays (numpy ones and another library's) as ``backend``'s arrays; they must be
     concrete (not traced inside ``jax.jit``: a :class:`~abstractdiff.CompositionError` says
     so); ``f`` returns a float array or a pytree of them.  The kernels are cached per input
     signature and per value of the arguments (arrays by content, other objects by identity).

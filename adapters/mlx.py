@@ -333,7 +333,7 @@ def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
     if a.size == 0:
         return mx.zeros(a.shape, dtype=dtype)
     if any(s < 0 for s in a.strides):
-        a = np.ascontiguousarray(a)
+        a = a.copy(order="C")  # not ascontiguousarray: it returns a one-element x[::-1] with its stride
     return mx.array(a, dtype=dtype)
 
 

@@ -46,7 +46,10 @@ def _signature(*groups: list) -> tuple:
 def _traced_value_error(err: BaseException) -> TracedControlFlowError | None:
     """Our error for a tf error that only happens because f is being traced, else None."""
     # Only errors that tracing causes: f's own mistakes (an AttributeError such as x.sum()
-    # or x.T on a tensor, which fails eagerly too) pass through unchanged.
+    # or x.T on a tensor, which fails eagerly too) pass through unchanged, and so do our own
+    # errors (a CompositionError naming traced data), whose message already says what to do.
+    if isinstance(err, AbstractDiffError):
+        return None
     message = str(err)
     if isinstance(err, tf.errors.OperatorNotAllowedInGraphError) or (
         isinstance(err, (TypeError, NotImplementedError))

@@ -267,3 +267,37 @@ def test_a_scenario_the_library_cannot_run_is_reported_not_run():
     assert report.not_run == [("needs_a_missing_function[float64]", "finite_differences's library has no "
                                "no_such_function_anywhere (autoray finds none)")]
     assert "not run:" in str(report)
+
+
+# ------------------------------------------- what the property-based net found on its first runs
+def test_sparse_finite_difference_hessian_in_float32_is_not_a_false_pattern_error():
+    sb = ad.Sparse(ad.backend("finite_differences"))
+    f = lambda x, w, t: anp.sum(x[:2] * w) * (1 + anp.sum(anp.sin(x[2:]) * t))  # noqa: E731
+    x = np.array([0, -1.1323481, 0, 0], np.float32)
+    w, t = np.array([0, -1.3540763], np.float32), np.zeros(2, np.float32)
+    np.testing.assert_array_equal(ad.hessian(sb, f, x, w, t).toarray(), np.zeros((4, 4)))
+
+
+def test_numpy_data_reaches_a_torch_kernel_as_tensors():
+    for name in ("autograd", "torch"):
+        if name not in ad.available_backends():
+            pytest.skip(f"{name} is not installed here")
+    g = ad.differentiate_with(lambda x, w: anp.sum(x * w), "torch")
+    np.testing.assert_allclose(numbers(ad.gradient("autograd", g, np.ones(2), np.array([2.0, 3.0]))), [2.0, 3.0])
+
+
+def test_tensorflow_lets_a_composition_error_through_unwrapped():
+    for name in ("tensorflow", "torch"):
+        if name not in ad.available_backends():
+            pytest.skip(f"{name} is not installed here")
+    g = ad.differentiate_with(lambda x, w: anp.sum(x * w), "torch")
+    with pytest.raises(ad.CompositionError, match="traced"):
+        ad.gradient("tensorflow", g, np.ones(2), np.array([2.0, 3.0]))
+
+
+def test_mlx_takes_a_one_element_negative_stride_array():
+    if "mlx" not in ad.available_backends():
+        pytest.skip("mlx is not installed here")
+    x = np.array([2.0], np.float32)[::-1].copy()[::-1]
+    assert x.strides[0] < 0
+    np.testing.assert_allclose(numbers(ad.gradient("mlx", lambda v: anp.sum(v**2), x)), [4.0])
