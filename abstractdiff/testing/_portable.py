@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._errors import InvalidArgumentError
+
 _FUNCTIONS: dict[str, Callable[..., Any]] = {}
 
 #: Categories, in the order of the docs page.
@@ -75,7 +77,7 @@ class Portable:
     def inputs(self, dtype: str = "float64", point: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """``(wrt, data)`` at ``point`` as numpy arrays, float arrays in ``dtype``."""
         if point not in self.points:
-            raise IndexError(f"{self.id} has points {self.points}, not {point}")
+            raise InvalidArgumentError(f"{self.id} has points {self.points}, not {point}")
         replaced = dict(self.resized) if point else {}
 
         def cast(name: str, a: np.ndarray) -> np.ndarray:
