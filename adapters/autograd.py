@@ -387,6 +387,14 @@ def _register_portable_functions() -> None:
         # autograd's VJP of pad needs mode passed explicitly (it has no default there)
         return anp.pad(array, pad_width, mode, **kwargs)
 
+    # numpy.copy has no derivative in autograd: a primitive with the identity's, to every order
+    copied = autograd.extend.primitive(lambda a: np.array(a, copy=True))
+    autograd.extend.defvjp(copied, lambda ans, a: lambda g: g)
+    autograd.extend.defjvp(copied, lambda g, ans, a: g)
+
+    def copy(a):
+        return copied(a)
+
     def broadcast_to(array, shape):
         # autograd's VJP of broadcast_to cannot add leading axes: add them first
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -453,6 +461,7 @@ def _register_portable_functions() -> None:
         "flip": flip,
         "diagonal": diagonal,
         "pad": pad,
+        "copy": copy,
         "broadcast_to": broadcast_to,
     }
     for name, fn in functions.items():

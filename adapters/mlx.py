@@ -1386,6 +1386,7 @@ def _register_portable_functions() -> None:
         "argsort": integer_result(mx.argsort),
         "take": gather(mx.take),
         "take_along_axis": gather(mx.take_along_axis),
+        "copy": plain(mx.array),  # a new array (an alias would see the original's item writes), differentiable
     }
     for name, fn in functions.items():
         autoray.register_function("mlx", name, fn)

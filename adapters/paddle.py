@@ -1462,6 +1462,7 @@ def _register_portable_functions() -> None:
         "tril": triangle("lower"),
         "triu": triangle("upper"),
         "pad": pad,
+        "copy": unary(paddle.clone),
         "linalg.solve_triangular": solve_triangular,
         "scipy.linalg.solve_triangular": solve_triangular,
         "arcsin": unary(paddle.asin),

@@ -715,6 +715,12 @@ def _register_portable_functions() -> None:
     def logit(x):
         return tf.math.log(x) - tf.math.log1p(-x)
 
+    def pad(array, pad_width, mode="constant", constant_values=0):
+        # numpy's width forms (an int, one pair for every axis, a pair per axis); tf.pad takes the last
+        widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64).reshape(-1, 2)
+                                 if np.ndim(pad_width) else np.asarray(pad_width), (len(array.shape), 2))
+        return tf.pad(array, widths, mode=mode.upper(), constant_values=constant_values)
+
     def xlogy(x, y):
         return tf.math.xlogy(x, like(y, x))
 
@@ -734,6 +740,7 @@ def _register_portable_functions() -> None:
         "scipy.special.xlogy": xlogy,
         "scipy.special.softmax": softmax,
         "scipy.special.log_softmax": log_softmax,
+        "pad": pad,
     }
     for name, fn in functions.items():
         fn.autograph_info__ = frozenset()  # called as they are inside tf.function (see above)

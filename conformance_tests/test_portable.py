@@ -80,10 +80,6 @@ _NOT_FOUND = "autoray finds no {name!r} for {lib}: the adapter has no translatio
 GAPS: dict[tuple[str, str], tuple[str, str]] = {
     ("mlx", "linalg.svd"): ("value only", "MLX has no derivative for its SVD"),
     ("mlx", "linalg.qr"): ("value only", "MLX has no derivative for its QR decomposition"),
-    ("mlx", "copy"): ("✗", _NOT_FOUND.format(name="copy", lib="mlx")),
-    ("paddle", "copy"): ("✗", _NOT_FOUND.format(name="copy", lib="paddle")),
-    ("autograd", "copy"): ("value only", "autograd has no derivative of numpy.copy"),
-    ("tensorflow", "pad-pair"): ("✗", "tf.pad takes one (before, after) pair per axis, not numpy's single pair"),
     # the float64 second derivative only (see FLOAT64_ONLY)
     ("mlx", "expm1"): ("✗", "its second derivative is float32-accurate in float64 (about 1e-7 relative): MLX's exp"),
     **{("paddle", entry): _paddle_second_order(op) for entry, op in {
@@ -150,6 +146,7 @@ TRANSLATED: dict[str, dict[str, str]] = {
         "linalg.solve_triangular": "not in jax.numpy: jax.scipy.linalg.solve_triangular",
     },
     "tensorflow": {
+        "pad": "tf.pad takes one (before, after) pair per axis, not numpy's int or single pair",
         "logsumexp": "not in tf.experimental.numpy: tf.math.reduce_logsumexp",
         "scipy.special.logsumexp": "not found: tf.math.reduce_logsumexp",
         "std": "tf.experimental.numpy.std fails on `ddof=`",
@@ -167,6 +164,7 @@ TRANSLATED: dict[str, dict[str, str]] = {
         "scipy.special.log_softmax": "not found: from logsumexp, over `axis` (all elements when None)",
     },
     "autograd": {
+        "copy": "autograd has no derivative of numpy.copy: a primitive with the identity's",
         "logsumexp": "not in autograd.numpy: autograd.scipy.special.logsumexp",
         "scipy.special.logsumexp": _SCIPY_AUTOGRAD,
         "scipy.special.erf": _SCIPY_AUTOGRAD,
@@ -193,6 +191,7 @@ TRANSLATED: dict[str, dict[str, str]] = {
                  "numpy's `where` hands traced values to autograd.numpy.where",
     },
     "mlx": {
+        "copy": "autoray finds no copy for mlx: mx.array(a), a new array that keeps the derivative",
         "sin": f"{_EXACT64}: from tan(x/2), with exact derivatives",
         "cos": f"{_EXACT64}: from tan(x/2), with exact derivatives",
         "exp": f"{_EXACT64}: power(e, x)",
@@ -227,6 +226,7 @@ TRANSLATED: dict[str, dict[str, str]] = {
         "linalg.slogdet": "MLX's LU factorisation has no derivative (past 3x3, where it is used): A^{-T}",
     },
     "paddle": {
+        "copy": "autoray finds no copy for paddle: clone(), which keeps the derivative",
         "max": "paddle.max has no second derivative (max_grad has no grad op): the value at the argmax",
         "min": "paddle.min has no second derivative (min_grad has no grad op): the value at the argmin",
         "prod": "paddle.prod has no second derivative (prod_grad has no grad op): products of pairs",
