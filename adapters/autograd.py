@@ -256,22 +256,12 @@ class AutogradBackend(Backend):
         y, aux, vjp = self.flat_value_and_pullback(fn, xs, data, scalar="gradient")
         return y, aux, vjp(np.ones((), dtype=y.dtype))
 
-    def flat_jacobian(self, fn: FlatFn, xs: list, data: list):
-        # autograd.jacobian's route (one trace, one vjp per basis row of y, stacked),
-        # extended to a list of leaves and returning y.
-        y, _, vjp = self.flat_value_and_pullback(fn, xs, data)
-        basis = np.eye(size_of(y), dtype=y.dtype).reshape((size_of(y),) + shape_of(y))
-        rows = [vjp(e) for e in basis]
-        jacs = []
-        for k, x in enumerate(xs):
-            shape = shape_of(y) + shape_of(x)
-            if rows:
-                jacs.append(autograd.numpy.reshape(autograd.numpy.stack([r[k] for r in rows]), shape))
-            else:
-                jacs.append(np.zeros(shape, dtype=x.dtype))
-        return y, jacs
+    # flat_jacobian is the core's: chunks of chunk_size basis rows, one batched pullback each
+    # (autograd has no vmap, so a batch is a loop of vjps of one trace, as autograd.jacobian's)
 
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
+        if self.chunk_size is not None:  # autograd.hessian has no chunks: the core's, of the gradient
+            return super().flat_hessian(fn, xs, data)
         (x,) = xs
         traced = _Traced(self, fn, data, 1, scalar="hessian")
         if size_of(x) == 0:  # autograd.hessian stacks no rows and fails; an empty x's Hessian is known

@@ -765,6 +765,8 @@ class MLXBackend(Backend):
         if _empty(xs):
             y = self._value_of_empty(fn, xs, data, None)
             return y, [mx.zeros((*y.shape, *x.shape), y.dtype) for x in xs]
+        if self.chunk_size is not None:  # mx.vmap over the whole basis has no chunks: the core's
+            return super().flat_jacobian(fn, xs, data)
         try:
             y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
         except CompositionError:
@@ -778,6 +780,8 @@ class MLXBackend(Backend):
         if _empty(xs):
             self._value_of_empty(fn, xs, data, "hessian")  # f's errors, a non-scalar y's
             return mx.zeros((*xs[0].shape, *xs[0].shape), xs[0].dtype)
+        if self.chunk_size is not None:  # as flat_jacobian: the core's chunks, of the gradient
+            return super().flat_hessian(fn, xs, data)
         h = self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data)
         _evaluated(h, xs, data)
         return h

@@ -825,34 +825,15 @@ class PaddleBackend(Backend):
     # ------------------------------------------------------------ composed
     @_operator
     def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
-        # One pullback per output element, or one pushforward per input element: the fewer.
-        rec = self._record(fn, xs, data)
-        y = rec.y
-        n_out, y_shape = _size(y), [int(d) for d in y.shape]
-        if n_out <= sum(_size(x) for x in xs):
-            vjp, basis = self._pullback(rec), paddle.eye(n_out, dtype=y.dtype)
-            rows = [self.complete(vjp(basis[i].reshape(y_shape)), xs) for i in range(n_out)]
-            jacs = [
-                paddle.stack([row[k] for row in rows]).reshape(y_shape + [int(d) for d in x.shape])
-                if rows else paddle.zeros(y_shape + [int(d) for d in x.shape], dtype=x.dtype)
-                for k, x in enumerate(xs)
-            ]
-        else:
-            jvp = self._pushforward(rec, artefacts(fn, self, "double-vjp route"))
-            jacs = []
-            for k, x in enumerate(xs):
-                tangents = [paddle.zeros_like(v) for v in xs]
-                basis, columns = paddle.eye(_size(x), dtype=x.dtype), []
-                for j in range(_size(x)):
-                    tangents[k] = basis[j].reshape(x.shape)
-                    columns.append(jvp(tangents).reshape([-1]))
-                # (outputs, inputs) -> y.shape + x.shape
-                jacs.append(paddle.stack(columns, axis=1).reshape(y_shape + [int(d) for d in x.shape]))
-        return rec.outputs()[0], jacs
+        # The core's: chunks of chunk_size basis vectors, one batched pullback (or pushforward,
+        # the fewer) each; here only in dynamic mode and with paddle's errors translated.
+        return super().flat_jacobian(fn, xs, data)
 
     @_operator
     def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         # the Jacobian of the gradient, row by row: one double backward per element of x
+        if self.chunk_size is not None:  # the same rows, in the core's chunks of chunk_size
+            return super().flat_hessian(fn, xs, data)
         rec = self._record(fn, xs, data)
         x, shape = xs[0], [int(d) for d in xs[0].shape]
         check_scalar(rec.y, "hessian")
