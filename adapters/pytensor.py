@@ -484,11 +484,17 @@ class PyTensorBackend(Backend):
 
         return run
 
+    # One symbolic graph of the whole Jacobian (Hessian) where no chunk_size is set; with one,
+    # the core's chunks of batched pullbacks or pushforwards, as the option promises.
     def flat_jacobian(self, fn: Any, xs: list, data: list) -> tuple[Any, list]:
+        if self.chunk_size is not None:
+            return super().flat_jacobian(fn, xs, data)
         outputs, _ = self._run(fn, "jacobian", self._jacobian_body, xs, data)
         return outputs[0], list(outputs[1:])
 
     def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:
+        if self.chunk_size is not None:
+            return super().flat_hessian(fn, xs, data)
         return self._run(fn, "hessian", self._hessian_body, xs, data)[0][0]
 
     def flat_hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:

@@ -657,6 +657,8 @@ class TorchBackend(Backend):
     # ------------------------------------------------------------ composed
     @_explains_numpy_mix
     def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
+        if self.chunk_size is not None:  # chunking is the core's: its chunks of vmapped vjps or jvps
+            return super().flat_jacobian(fn, xs, data)
         value = self._value_fn(fn, data)
 
         def with_value(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -682,9 +684,7 @@ class TorchBackend(Backend):
         n_in = sum(x.numel() for x in xs)
         argnums = tuple(range(len(xs)))
         if n_out <= n_in:
-            jacs, y = torch.func.jacrev(with_value, argnums, has_aux=True, chunk_size=self.chunk_size)(*xs)
-        elif self.chunk_size is not None:  # jacfwd has no chunk_size: the core's chunks of vmapped jvps
-            return super().flat_jacobian(fn, xs, data)
+            jacs, y = torch.func.jacrev(with_value, argnums, has_aux=True)(*xs)
         else:
             with _FORWARD_MODE:
                 jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
@@ -702,7 +702,7 @@ class TorchBackend(Backend):
 
         # one input: argnums=0 (a tuple of argnums costs torch.func ~25 us more per call)
         argnums: int | tuple[int, ...] = 0 if k == 1 else tuple(range(k))
-        reverse = torch.func.jacrev(value, argnums, chunk_size=self.chunk_size)
+        reverse = torch.func.jacrev(value, argnums)
         forward_mode = torch.func.jacfwd(value, argnums)
         modes: dict[tuple, tuple[Callable, Any]] = {}
         general = self.flat_jacobian
@@ -713,10 +713,10 @@ class TorchBackend(Backend):
             if mode is None:
                 with torch.no_grad():
                     y = value(*xs, *data)
-                if y.numel() <= sum(x.numel() for x in xs):
-                    mode = (reverse, y.dtype)
-                elif self.chunk_size is not None:  # jacfwd has no chunk_size: the core's chunks
+                if self.chunk_size is not None:  # the core's chunks (see flat_jacobian)
                     mode = (None, y.dtype)
+                elif y.numel() <= sum(x.numel() for x in xs):
+                    mode = (reverse, y.dtype)
                 else:
                     mode = (_forward_mode(forward_mode), y.dtype)
                 if len(modes) < 64:

@@ -34,8 +34,6 @@ NATIVE_WHEN_NONE = ("jax", "tensorflow", "torch", "mlx", "pytensor")
 #: torch hands chunk_size to torch.func.jacrev (chunked inside torch, not countable here),
 #: PyTensor builds one symbolic Jacobian, and minitape's adapter takes no chunk_size option.
 NOT_YET = {
-    "torch": "reverse mode is torch.func.jacrev(chunk_size=...), chunked by torch, not by the core's hook",
-    "pytensor": "the Jacobian is one symbolic graph (pytensor.gradient.jacobian): chunk_size is ignored",
     "minitape": "MinitapeBackend.__init__ takes no chunk_size (the core does not set the option itself)",
 }
 OUTOFTREE = Path(__file__).parent / "outoftree"
