@@ -26,6 +26,8 @@ import pytest
 import abstractdiff as ad
 from abstractdiff._hooks import DEFAULT_CHUNK_SIZE
 
+from .test_batch import CallCounter  # counts calls of the closures the batched hooks return
+
 N = 100
 BUILT_IN = ("finite_differences", "autograd", "jax", "tensorflow", "torch", "mlx", "paddle", "pytensor")
 #: backends that, with chunk_size=None, build the whole Jacobian with one call of the library's own
@@ -49,27 +51,6 @@ def f(x, w):
 
 def analytic_jacobian() -> np.ndarray:
     return (1 - np.tanh(W @ X) ** 2)[:, None] * W
-
-
-class CallCounter:
-    """Counts calls of the closures returned by one backend instance's batched hooks."""
-
-    def __init__(self, monkeypatch, b: ad.Backend):
-        self.calls = 0
-        for hook in ("flat_value_and_batched_pushforward", "flat_value_and_batched_pullback"):
-            monkeypatch.setattr(b, hook, self.wrap(getattr(b, hook)))
-
-    def wrap(self, hook):
-        def counted_hook(fn, xs, data):
-            y, aux, batched = hook(fn, xs, data)
-
-            def counted(*args):
-                self.calls += 1
-                return batched(*args)
-
-            return y, aux, counted
-
-        return counted_hook
 
 
 def make_backend(name: str, chunk_size: int | None, monkeypatch) -> ad.Backend:
