@@ -47,8 +47,6 @@ _MAX_DEPTH = 3
 _SCALARS = (bool, int, str, bytes, complex, type(None))
 
 
-_array_key = array_fingerprint
-
 
 def _value_key(
     value: Any, alive: list[Any], depth: int, seen: set[int], module: str | None = None,
@@ -68,7 +66,7 @@ def _value_key(
     if isinstance(value, tuple) and depth < _MAX_DEPTH:
         return (tuple, tuple(_value_key(v, alive, depth + 1, seen, module, guard) for v in value))
     if isinstance(value, np.ndarray) and value.dtype != object:
-        key = _array_key(value)
+        key = array_fingerprint(value)
         if guard is not None:
             guard._add_array(value, key)
         return key
@@ -266,7 +264,7 @@ class CaptureGuard:
                         return False
                     if any(id(get(name, _ABSENT)) != ident for name, ident in reads):
                         return False
-                elif _array_key(what[0]()) != what[1]:
+                elif array_fingerprint(what[0]()) != what[1]:
                     return False
         except ValueError:  # a closure cell emptied since
             return False

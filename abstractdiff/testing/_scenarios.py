@@ -670,18 +670,20 @@ def _cholesky_sin_grad(b: np.ndarray) -> np.ndarray:
     return (bar_a + bar_a.T) @ b  # dA = dB B^T + B dB^T: the symmetric part, twice
 
 
+def _spd_factor(dt: str, seed: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(B, n I, B in float64, a tangent)``: the input of a scenario on the SPD matrix B B^T + n I."""
+    rng = _rng(seed)
+    b = rng.uniform(-1, 1, (n, n)).astype(dt)
+    return b, (n * np.eye(n)).astype(dt), _up(b), _tangent_like(b, rng)
+
+
 def _cholesky(dt: str) -> Scenario:
     anp = _ar()
 
     def f(b, shift):
         return anp.sum(anp.sin(anp.linalg.cholesky(b @ anp.transpose(b) + shift)))
 
-    rng = _rng(14)
-    n = 4
-    b = rng.uniform(-1, 1, (n, n)).astype(dt)
-    shift = (n * np.eye(n)).astype(dt)
-    ub = _up(b)
-    tangent = _tangent_like(b, rng)
+    b, shift, ub, tangent = _spd_factor(dt, seed=14, n=4)
     return Scenario(
         "cholesky_sin", f, b, (shift,), value=np.sum(np.sin(np.linalg.cholesky(_spd(ub)))),
         gradient=_cholesky_sin_grad(ub), hvp=_complex_step(_cholesky_sin_grad, ub, tangent), tangent=tangent,
@@ -732,12 +734,7 @@ def _slogdet(dt: str) -> Scenario:
     def f(b, shift):
         return anp.linalg.slogdet(b @ anp.transpose(b) + shift)[1]
 
-    rng = _rng(16)
-    n = 5
-    b = rng.uniform(-1, 1, (n, n)).astype(dt)
-    shift = (n * np.eye(n)).astype(dt)
-    ub = _up(b)
-    tangent = _tangent_like(b, rng)
+    b, shift, ub, tangent = _spd_factor(dt, seed=16, n=5)
     return Scenario(
         "slogdet_spd", f, b, (shift,), value=np.linalg.slogdet(_spd(ub))[1], gradient=_slogdet_grad(ub),
         hvp=_complex_step(_slogdet_grad, ub, tangent), tangent=tangent,
