@@ -6,10 +6,12 @@ a kernel written for ``backend``'s arrays (a physics step in jax, a renderer in 
 differentiates.  ``g`` looks at the arrays it receives, finds the caller's library
 through the registry (:func:`abstractdiff._registry.backend_for`), and hands that
 library a function whose value, pullback and pushforward ``backend`` computes, through
-the caller's own custom-derivative mechanism: the caller adapter's
-:meth:`~abstractdiff._hooks.AdapterHooks.foreign_function` hook (``torch.autograd.Function``,
+the caller's own custom-derivative mechanism: the caller adapter's one custom-derivative
+hook, :meth:`~abstractdiff._hooks.AdapterHooks.custom_function` (``torch.autograd.Function``,
 ``jax.custom_jvp`` with ``jax.pure_callback``, ``tf.custom_gradient`` with
-``tf.py_function``, autograd's ``primitive``...).
+``tf.numpy_function``, autograd's ``primitive``...).  :func:`boundary` builds the five
+functions of the boundary on it, with their derivative rules and refusals, once for every
+library; an adapter written against the older ``foreign_function`` hook still works.
 
 The boundary is one flat vector each way, in numpy: the caller ravels and concatenates
 ``x``'s float leaves with its own (differentiable) operations, the foreign function maps
@@ -57,8 +59,9 @@ __all__ = ["DifferentiateWith", "ForeignKernel", "differentiate_with"]
 class ForeignKernel:
     """``f`` at one input structure, as numpy functions of one flat vector.
 
-    What a caller adapter's ``foreign_function`` hook calls: :meth:`value`, :meth:`vjp`
-    and :meth:`jvp` take 1-D numpy arrays (or any 1-D array exporting ``__dlpack__``) and
+    What :func:`boundary` wires into the caller adapter's ``custom_function`` hook (and an
+    adapter's older ``foreign_function`` hook calls): :meth:`value`, :meth:`vjp` and
+    :meth:`jvp` take 1-D numpy arrays (or any 1-D array exporting ``__dlpack__``) and
     return 1-D numpy arrays, which may share memory with the kernel's arrays, and be
     read-only; :attr:`in_size`, :attr:`in_dtype`, :attr:`out_size` and :attr:`out_dtype`
     describe them (known before any call, as ``jax.pure_callback`` needs).  The kernel
@@ -93,6 +96,7 @@ class ForeignKernel:
         self._flat_fn = self._flat_out
         self._weighted_fn = self._weighted_out
         self._along_fn = self._along
+        self._boundaries: dict[Any, Callable[[Any], Any]] = {}  # caller backend -> the kernel in its arrays
 
     def _probe(self, values: np.ndarray | None) -> Any:
         """``f``'s output at the caller's ``x`` (flat ``values``), for its structure (cached per
@@ -195,6 +199,8 @@ class ForeignKernel:
         the pullback of ``dy`` through the derivative of the pushforward ``x -> f'(x) v``."""
         from ._operators import hvp
 
+        if _is_zero(dy) or _is_zero(v):  # bilinear in (dy, v): a caller's dummy zero costs no HVP
+            return np.zeros(self.in_size, self.in_dtype)
         flat = self._native(x, self.in_dtype)
         with self.backend.scope([flat]):
             out = hvp(self.backend, self._weighted_fn, flat, self._native(v, self.in_dtype),
@@ -207,6 +213,8 @@ class ForeignKernel:
         ``t -> f(x + t u)`` at 0 (``u = v + w`` and ``v - w``)."""
         from ._operators import second_derivative
 
+        if _is_zero(v) or _is_zero(w):  # bilinear in (v, w)
+            return np.zeros(self.out_size, self.out_dtype)
         flat, v, w = (self._native(a, self.in_dtype) for a in (x, v, w))
         zero = self.backend.asarray(np.zeros((), self.in_dtype))
         with self.backend.scope([flat]):
@@ -228,6 +236,92 @@ class ForeignKernel:
             leaves.append(leaf)
             start += size
         return optree.tree_unflatten(self.out_treedef, leaves)
+
+    def boundary(self, caller: Any) -> Callable[[Any], Any]:
+        """The kernel as a function of one flat array of ``caller``'s library (built once per
+        caller backend: :func:`boundary`, or the caller adapter's older ``foreign_function``)."""
+        built = self._boundaries.get(caller.cache_key)
+        if built is None:
+            built = boundary(self, caller) if caller.has_custom_function else caller.foreign_function(self)
+            self._boundaries[caller.cache_key] = built
+        return built
+
+
+def boundary_error(kernel: ForeignKernel, caller: str, order: int, remedy: str = "") -> CompositionError:
+    """The one refusal of a derivative the boundary does not carry: ``order`` 3 is a third
+    derivative (what every caller refuses), 2 a second one (callers whose mechanism carries
+    first derivatives only), for ``caller`` (the library whose code calls the kernel)."""
+    nth = {2: "second", 3: "third"}.get(order, f"order-{order}")
+    carried = "first and second derivatives" if order == 3 else "first derivatives"
+    return CompositionError(
+        f"a {nth} derivative through differentiate_with's boundary ({caller} code calling a "
+        f"{kernel.backend.name} kernel) is not supported: the boundary carries {carried}"
+        f"{remedy}; to nest further, write the kernel in {caller} too: a kernel in the caller's own library "
+        f"nests natively"
+    )
+
+
+def boundary(kernel: ForeignKernel, caller: Any) -> Callable[[Any], Any]:
+    """``kernel`` as a function of one flat array of ``caller``'s library, on its
+    :meth:`~abstractdiff._hooks.AdapterHooks.custom_function` hook: five custom functions.
+
+    * ``value(x)``: its pullback is ``pullback(x, dy)``, its pushforward ``pushforward(x, dx)``;
+    * ``pullback(x, dy) = f'(x)^T dy``: linear in ``dy``, where its derivative is ``pushforward``
+      (reverse) or itself (forward); with respect to ``x`` it is ``second_vjp``;
+    * ``pushforward(x, dx) = f'(x) dx``: in ``dx``, ``pullback`` (reverse) or itself (forward);
+      in ``x``, ``second_vjp`` (reverse) and ``second_jvp`` (forward);
+    * ``second_vjp(x, dy, v)`` (the Hessian of ``<dy, f>`` times ``v``) and ``second_jvp(x, v, w)``
+      (``f''(x)[v, w]``): bilinear in their last two operands, where their derivatives are each
+      other; their derivatives with respect to ``x``, third ones, raise :func:`boundary_error`.
+
+    The rules refer to each other by name, so the cycle pullback <-> pushforward is closed
+    after all five are made.
+    """
+    custom = caller.custom_function
+    nodes: dict[str, Callable[..., Any]] = {}
+
+    def refuse(*_: Any) -> Any:
+        raise boundary_error(kernel, caller.name, 3)
+
+    def call(name: str) -> Callable[..., Any]:
+        return lambda *arrays: nodes[name](*arrays)
+
+    second_vjp, second_jvp, pullback, pushforward = map(call, ("second_vjp", "second_jvp", "pullback", "pushforward"))
+    into_x, into_y = (kernel.in_size, kernel.in_dtype), (kernel.out_size, kernel.out_dtype)
+    # The second derivatives are bilinear in their last two operands: derivatives there are
+    # second derivatives again (a library whose forward mode is two pullbacks, PyTensor's and
+    # paddle's, needs them for forward-over-reverse); with respect to x they are third ones.
+    nodes["second_vjp"] = custom(
+        kernel.second_vjp,
+        (refuse, lambda c, x, dy, v: second_jvp(x, v, c), lambda c, x, dy, v: second_vjp(x, dy, c)),
+        (refuse, lambda t, x, dy, v: second_vjp(x, t, v), lambda t, x, dy, v: second_vjp(x, dy, t)),
+        into_x,
+    )
+    nodes["second_jvp"] = custom(
+        kernel.second_jvp,
+        (refuse, lambda c, x, v, w: second_vjp(x, c, w), lambda c, x, v, w: second_vjp(x, c, v)),
+        (refuse, lambda t, x, v, w: second_jvp(x, t, w), lambda t, x, v, w: second_jvp(x, v, t)),
+        into_y,
+    )
+    nodes["pullback"] = custom(
+        kernel.vjp,
+        (lambda u, x, dy: second_vjp(x, dy, u), lambda u, x, dy: pushforward(x, u)),
+        (lambda t, x, dy: second_vjp(x, dy, t), lambda t, x, dy: pullback(x, t)),
+        into_x,
+    )
+    nodes["pushforward"] = custom(
+        kernel.jvp,
+        (lambda w, x, dx: second_vjp(x, w, dx), lambda w, x, dx: pullback(x, w)),
+        (lambda t, x, dx: second_jvp(x, dx, t), lambda t, x, dx: pushforward(x, t)),
+        into_y,
+    )
+    return custom(kernel.value, (lambda dy, x: pullback(x, dy),), (lambda dx, x: pushforward(x, dx),), into_y)
+
+
+def _is_zero(a: Any) -> bool:
+    """Whether a boundary vector is all zeros; only numpy's are looked at (another library's
+    array, on a GPU say, is not copied for it)."""
+    return isinstance(a, np.ndarray) and not a.any()
 
 
 def _shape(a: Any) -> tuple[int, ...]:
@@ -318,8 +412,7 @@ class DifferentiateWith:
         flat = a.do("reshape", floats[0], (-1,)) if len(floats) == 1 else a.do(
             "concatenate", [a.do("reshape", v, (-1,)) for v in floats]
         )
-        foreign = caller.foreign_function(kernel)
-        return kernel.split(foreign(flat))
+        return kernel.split(kernel.boundary(caller)(flat))
 
 
 def _refuse_traced(owner: DifferentiateWith, keyed_by_identity: list, what: str) -> None:

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import re
 from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
 import numpy as np
 
+from . import portable
 from ._arrays import ar, dtype_name
 from ._errors import DeviceError, InvalidArgumentError, NonDifferentiableInputError
 from ._tree import PlanCache, is_float_dtype
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "HOOKS", "AdapterHooks"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "HOOKS", "AdapterHooks", "approximates", "checked_chunk_size", "parse_device"]
 
 #: Basis vectors per batched call of a derived Jacobian when a backend's ``chunk_size``
 #: is ``None``: a Jacobian with up to this many rows (reverse) or columns (forward) is one
@@ -33,6 +35,40 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "HOOKS", "AdapterHooks"]
 DEFAULT_CHUNK_SIZE = 64
 
 FlatFn = Callable[[list, list], tuple]
+
+#: A device as users spell it: ``cpu``, ``gpu``, ``cuda:1``, TensorFlow's ``/GPU:0`` and
+#: ``/device:GPU:0``, ``metal``, ``mps``, ``tpu:0`` (case and surrounding blanks ignored).
+_DEVICE_SPELLING = re.compile(r"^(?:/(?:device:)?)?(cpu|gpu|cuda|mps|metal|tpu)(?::(\d+))?$")
+#: Kinds a spelling names -> the canonical kinds it may stand for, in order of preference.
+_GPU_KINDS = {"gpu": ("cuda", "mps"), "cuda": ("cuda",), "mps": ("mps",), "metal": ("mps",), "tpu": ("tpu",)}
+
+
+def parse_device(device: Any, available: Sequence[str], backend: str = "backend") -> str:
+    """``device`` as one of the canonical names in ``available`` (``"cpu"``, ``"cuda:N"``...).
+
+    ``None`` is ``"cpu"``; ``"gpu"``, ``"cuda"`` and ``"cuda:N"``, ``"gpu:N"``, ``"/GPU:N"``
+    name an NVIDIA GPU (``"gpu"`` is Apple's Metal GPU, ``"mps:0"``, where that is the GPU
+    there is); an index defaults to 0.  A name that is not available raises
+    :class:`~abstractdiff.DeviceError` listing those that are.
+    """
+    if device is None:
+        return "cpu"
+    spelling = str(device).strip().lower()
+    match = _DEVICE_SPELLING.match(spelling)
+    name = None
+    if match is not None:
+        kind, index = match.group(1), int(match.group(2) or 0)
+        if kind == "cpu":
+            name = "cpu" if index == 0 else None
+        else:
+            name = next((f"{k}:{index}" for k in _GPU_KINDS[kind] if f"{k}:{index}" in available), None)
+    if name is not None and name in available:
+        return name
+    gpus = "" if len(available) > 1 else "; this machine (or this build of the library) has no GPU it can use"
+    raise DeviceError(
+        f"{backend} backend: device {device!r} is not available here{gpus}; available devices: "
+        f"{', '.join(available)} (spell a GPU 'cuda', 'cuda:N' or 'gpu:N')"
+    )
 
 #: Every hook an adapter may implement, by group, in the order the adapter guide lists them.
 HOOKS: dict[str, tuple[str, ...]] = {
@@ -76,8 +112,34 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "implicit_value_and_gradient",
         "implicit_value_and_pullback",
     ),
-    "composition": ("foreign_function",),
+    "composition": ("custom_function", "foreign_function"),
 }
+
+
+def checked_chunk_size(chunk_size: Any) -> int:
+    """``chunk_size`` as a positive int, or :class:`~abstractdiff.InvalidArgumentError`."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise InvalidArgumentError(
+            f"chunk_size must be a positive int (basis vectors per batched call of a Jacobian) "
+            f"or None for the default, got {chunk_size!r}"
+        )
+    return int(chunk_size)
+
+
+def approximates(b: Any, order: int | None = None) -> bool:
+    """Whether backend ``b`` approximates derivatives of ``order`` (1, 2...); ``None``: of any order.
+
+    Reads the ``approximate`` trait, a bool or one bool per order.
+    """
+    declared = b.approximate
+    if isinstance(declared, (bool, np.bool_)) or not isinstance(declared, Sequence):
+        return bool(declared)
+    per_order = tuple(bool(a) for a in declared)
+    if not per_order:
+        return False
+    if order is None:
+        return any(per_order)
+    return per_order[min(max(order, 1), len(per_order)) - 1]
 
 
 class AdapterHooks:
@@ -99,8 +161,11 @@ class AdapterHooks:
     #: Top-level modules whose arrays, variables and models this backend handles
     #: (``("torch",)``): how the core finds the backend of a leaf without importing anything.
     modules: ClassVar[tuple[str, ...]] = ()
-    #: Whether derivatives are approximated (finite differences) rather than exact.
-    approximate: ClassVar[bool] = False
+    #: Whether derivatives are approximated (finite differences) rather than exact: one bool
+    #: for every order, or one per order from the first, the last standing for higher ones
+    #: (a complex-step adapter: ``(False, True)``, exact first derivatives and second ones by
+    #: differences).  Read it with :func:`approximates`.
+    approximate: ClassVar[bool | tuple[bool, ...]] = False
     #: Whether the backend differentiates ``ad.Params`` (implicit mode) rather than arrays.
     implicit: ClassVar[bool] = False
     #: Whether the backend traces ``f`` once and reuses the trace (``jit``, ``tf.function``):
@@ -113,15 +178,20 @@ class AdapterHooks:
 
     def __init__(self, *, device: str | None = None, chunk_size: int | None = None, **options: Any):
         if chunk_size is not None:
-            if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-                raise InvalidArgumentError(
-                    f"chunk_size must be a positive int (basis vectors per batched call of a Jacobian) "
-                    f"or None for the default, got {chunk_size!r}"
-                )
-            self.chunk_size = options["chunk_size"] = int(chunk_size)
+            self.chunk_size = options["chunk_size"] = checked_chunk_size(chunk_size)
         self.device = self.normalise_device(device)
+        # the library's numpy/scipy translations, before any f runs (abstractdiff.portable)
+        portable.apply(("numpy", *self.modules[:1]))
         self.options: dict[str, Any] = {"device": self.device, **options}
-        self._plans = PlanCache()
+        self._plans = PlanCache(numpy_native=self.is_native(np.zeros(0)))
+
+    def _take_chunk_size(self, chunk_size: Any) -> None:
+        """Set the core's ``chunk_size`` option on a backend whose constructor does not take it
+        (a third-party adapter written before the option): chunking is the core's job."""
+        if chunk_size is None:
+            return
+        self.chunk_size = self.options["chunk_size"] = checked_chunk_size(chunk_size)
+        self.__dict__.pop("_cache_key", None)  # the option is part of what compiled artefacts depend on
 
     # ---------------------------------------------------------------- identity
     def __repr__(self) -> str:
@@ -170,17 +240,14 @@ class AdapterHooks:
         return ["cpu"]
 
     def normalise_device(self, device: str | None) -> str:
-        """Map a user spelling (``None``, ``"gpu"``, ``"cuda"``...) to a name from :meth:`devices`."""
-        if device is None:
-            return "cpu"
-        name = str(device).lower()
-        available = self.devices()
-        if name in available:
-            return name
-        raise DeviceError(
-            f"{self.name} backend: device {device!r} is not available here; available "
-            f"devices: {', '.join(available)}"
-        )
+        """Map a user spelling to a name from :meth:`devices`; the one device parser.
+
+        Canonical names are ``"cpu"``, ``"cuda:N"`` (an NVIDIA GPU, on every library),
+        ``"mps:N"`` (Apple's Metal GPU) and ``"tpu:N"``; adapters list theirs in
+        :meth:`devices` and translate them to their library's spelling themselves.  See
+        :func:`parse_device` for the spellings accepted.
+        """
+        return parse_device(device, self.devices(), self.name)
 
     # ----------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
@@ -290,10 +357,10 @@ class AdapterHooks:
         return var.value
 
     def new_variable(self, value: Any) -> Any:
-        """A fresh variable holding a copy of native array ``value`` (``ad.variables``)."""
-        from ._implicit import Variable
-
-        return Variable(value.copy() if isinstance(value, np.ndarray) else value)
+        """A fresh variable of the library holding a copy of native array ``value`` (``ad.variables``),
+        or ``None`` (the default, for libraries without mutable variables): the core then boxes a
+        copy in an :class:`abstractdiff.Variable`."""
+        return None
 
     def swap(self, var: Any, value: Any) -> Any:
         """Set the variable to ``value`` (a traced value) without checks; return the old value.
@@ -328,22 +395,56 @@ class AdapterHooks:
         return type(self).implicit_value_and_gradient is not AdapterHooks.implicit_value_and_gradient
 
     # ------------------------------------------------------------- composition
+    def custom_function(
+        self,
+        value: Callable[..., np.ndarray],
+        vjps: Sequence[Callable[..., Any]],
+        jvps: Sequence[Callable[..., Any]],
+        out: tuple[int, str],
+    ) -> Callable[..., Any]:
+        """The custom-derivative hook: a function of 1-D arrays of this library whose value is
+        ``value`` and whose derivatives are the rules given, through the library's own mechanism
+        (``torch.autograd.Function``, ``jax.custom_jvp``, ``tf.custom_gradient``, autograd's
+        ``primitive``, ``mx.custom_function``, paddle's ``PyLayer``, a PyTensor ``Op``).
+
+        * ``value(*inputs)`` takes the inputs' values as 1-D numpy arrays and returns a 1-D
+          numpy array of ``out = (size, dtype)``: it runs outside the library (a callback
+          where the library traces);
+        * ``vjps[i](cotangent, *inputs)`` is the cotangent of ``inputs[i]`` and
+          ``jvps[i](tangent, *inputs)`` the output's tangent along ``inputs[i]``'s tangent:
+          they take and return this library's arrays and call other custom functions, so
+          the library differentiates them in turn.  A rule may raise
+          :class:`~abstractdiff.CompositionError` (a derivative the caller does not carry).
+
+        Where the mechanism cannot carry a rule (reverse mode only, or no derivative of a rule
+        with respect to a primal input), the function must raise
+        :class:`~abstractdiff.CompositionError` (:func:`abstractdiff._compose.boundary_error`)
+        when that derivative is asked for, never give a silently zero one.  The core builds
+        :func:`abstractdiff.differentiate_with`'s value, pullback, pushforward and second
+        derivatives on this hook (:func:`abstractdiff._compose.boundary`).
+        """
+        raise NotImplementedError
+
+    @property
+    def has_custom_function(self) -> bool:
+        return type(self).custom_function is not AdapterHooks.custom_function
+
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        """``kernel`` (an :class:`abstractdiff._compose.ForeignKernel`: another library's
+        """The older composition hook, for adapters without :meth:`custom_function`.
+
+        ``kernel`` (an :class:`abstractdiff._compose.ForeignKernel`: another library's
         function of one flat vector) as a function of one flat array of this library that
         this library can differentiate: its value is ``kernel.value``, its pullback
         ``kernel.vjp`` and (where this library has forward mode) its pushforward
-        ``kernel.jvp``, each on numpy vectors, wired in through the library's own
-        custom-derivative mechanism (``torch.autograd.Function``, ``jax.custom_jvp``...).
-        What :func:`abstractdiff.differentiate_with` calls when this library's code calls
-        a kernel written for another.  Where the mechanism can carry them, the pullback and
-        pushforward are differentiable in turn with ``kernel.second_vjp`` and
+        ``kernel.jvp``, each on numpy vectors.  Where the mechanism can carry them, the
+        pullback and pushforward are differentiable in turn with ``kernel.second_vjp`` and
         ``kernel.second_jvp``; any derivative not carried must raise
-        :class:`~abstractdiff.CompositionError`, never come out silently zero.
+        :class:`~abstractdiff.CompositionError`, never come out silently zero.  An adapter
+        implementing :meth:`custom_function` gets all of this from the core instead.
         """
         from ._errors import CompositionError
 
         raise CompositionError(
             f"the {self.name} backend cannot call a function differentiated by another library: its "
-            f"adapter does not implement the foreign_function hook (see the adapter guide)"
+            f"adapter implements neither the custom_function hook nor foreign_function (see the adapter guide)"
         )

@@ -438,7 +438,11 @@ def variables(tree: Any, b: Any) -> Any:
             return inner.convert(leaf)  # data (integer arrays) as native arrays, as explicit mode does
         if not (isinstance(leaf, float) or is_array(leaf)):
             return leaf
-        return inner.new_variable(inner.convert(leaf))
+        value = inner.convert(leaf)
+        made = inner.new_variable(value)
+        if made is None:  # a library without mutable variables: the core's box
+            made = Variable(value.copy() if isinstance(value, np.ndarray) else value)
+        return made
 
     return optree.tree_map(make, tree, is_leaf=is_variable_or_model)
 

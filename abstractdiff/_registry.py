@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ._backend import Backend
+from ._hooks import AdapterHooks
+
+if TYPE_CHECKING:  # annotations only: the backend module imports this one
+    from ._backend import Backend
 from ._errors import ArgumentTypeError, BackendUnavailableError, InvalidArgumentError, UnknownBackendError
 
 __all__ = ["available_backends", "backend", "register_backend", "registered_backends"]
@@ -256,7 +260,7 @@ def backend(name: str | Backend, **options: Any) -> Backend:
         >>> ad.backend("finite_differences")
         FiniteDifferencesBackend(device='cpu', step=None, compute_dtype=None)
     """
-    if isinstance(name, Backend):
+    if isinstance(name, AdapterHooks):  # a backend already made (every backend is an AdapterHooks)
         if options:
             raise ArgumentTypeError("options cannot be given with a Backend instance")
         return name
@@ -273,17 +277,32 @@ def backend(name: str | Backend, **options: Any) -> Backend:
     if key is not None and key in _instances:
         return _instances[key]
     factory = _resolve(name, entry)
+    chunk_size = options.get("chunk_size")
+    core_chunks = "chunk_size" in options and not _takes_option(factory, "chunk_size")
+    if core_chunks:  # chunking is the core's: an adapter need not know the option
+        options = {k: v for k, v in options.items() if k != "chunk_size"}
     instance = factory(**options)
-    if not isinstance(instance, Backend):
+    if not isinstance(instance, AdapterHooks):
         raise ArgumentTypeError(
             f"the factory registered as {name!r} returned {type(instance).__name__}, not an "
             f"abstractdiff.Backend; subclass abstractdiff.Backend"
         )
+    if core_chunks:
+        instance._take_chunk_size(chunk_size)
     if key is not None:
         with _lock:
             instance = _instances.setdefault(key, instance)
             _OWNERS.clear()  # a new backend may own types that were unknown so far
     return instance
+
+
+def _takes_option(factory: Callable[..., Any], option: str) -> bool:
+    """Whether ``factory`` accepts the keyword ``option`` (or any keyword)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): hand it the option
+        return True
+    return any(p.name == option or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 # ------------------------------------------------------- the backend of an object

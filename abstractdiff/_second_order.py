@@ -28,7 +28,7 @@ from ._arrays import ar, dtype_name, shape_of, size_of
 from ._backend import Backend
 from ._derived import DerivedOperators, GradientFunction
 from ._errors import ArgumentTypeError, InvalidArgumentError
-from ._hooks import HOOKS
+from ._hooks import HOOKS, approximates
 from ._tree import HasArtefacts, PlanCache, artefacts
 
 __all__ = ["SecondOrder"]
@@ -172,9 +172,10 @@ class SecondOrder(Backend):
         self.inner = _resolve(inner, "inner")
         self._through_numpy = _check_pair(self.outer, self.inner)
         self.name = f"second_order({self.outer.name}, {self.inner.name})"  # type: ignore[misc]
-        self.approximate = bool(self.outer.approximate or self.inner.approximate)  # type: ignore[misc]
+        # its derivatives are second ones of the pair: approximate where either is, at any order
+        self.approximate = approximates(self.outer) or approximates(self.inner)  # type: ignore[misc]
         self.options = {"outer": self.outer, "inner": self.inner}
-        self._plans = PlanCache()
+        self._plans = PlanCache(numpy_native=self.outer._plans.numpy_native and self.inner._plans.numpy_native)
 
     # ---------------------------------------------------------------- identity
     def __repr__(self) -> str:
@@ -347,7 +348,7 @@ _WORKING_PAIRS = (
 
 def _check_pair(outer: Backend, inner: Backend) -> bool:
     """Refuse a pair that cannot work; ``True`` when ``outer`` differentiates through numpy."""
-    if outer.approximate:
+    if approximates(outer):
         if not outer.is_native(np.zeros(())):
             raise InvalidArgumentError(
                 f"the approximate outer backend {outer.name!r} does not work on numpy arrays, so it cannot "
@@ -356,7 +357,7 @@ def _check_pair(outer: Backend, inner: Backend) -> bool:
         return True
     if type(outer).name == type(inner).name:
         return False
-    if inner.approximate:
+    if approximates(inner):
         raise InvalidArgumentError(
             f"ad.SecondOrder({outer.name!r}, {inner.name!r}): the exact outer backend {outer.name!r} cannot "
             f"differentiate {inner.name!r}, whose gradient is numpy arithmetic {outer.name!r} does not trace; "

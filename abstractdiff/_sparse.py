@@ -32,7 +32,7 @@ from ._captures import captures
 from ._convert import content_of
 from ._derived import GradientFunction, PackedInput
 from ._errors import ArgumentTypeError, InvalidArgumentError, ShapeMismatchError, SparsityPatternError
-from ._hooks import HOOKS
+from ._hooks import HOOKS, approximates
 from ._prepare import HessianPrep, JacobianPrep, Preparation
 from ._second_order import _forwarded
 from ._sparsity import flat_hessian_sparsity, flat_jacobian_sparsity
@@ -243,7 +243,7 @@ def sparse_jacobian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: lis
             dys = inner.asarray(block.reshape((k,) + shape_of(y)), dtype_name(y))
             return _flat_numpy(inner, inner.complete_batched(vjps(dys), xs, k), k)
 
-    return plan.decompress(_compressed(inner, plan.seeds, call), inner.approximate, order=1)
+    return plan.decompress(_compressed(inner, plan.seeds, call), approximates(inner, 1), order=1)
 
 
 # ------------------------------------------------------------------ Hessians
@@ -286,7 +286,7 @@ def sparse_hessian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list
             k = block.shape[0]
             return _flat_numpy(inner, inner.complete_batched(vjps(inner.asarray(block, dtype_name(z))), [z], k), k)
 
-    return plan.decompress(_compressed(inner, plan.seeds, call), inner.approximate, order=2)
+    return plan.decompress(_compressed(inner, plan.seeds, call), approximates(inner, 2), order=2)
 
 
 # ------------------------------------------------------------------ preparations
@@ -392,7 +392,7 @@ class Sparse(Backend):
         self.approximate = self.inner.approximate  # type: ignore[misc]
         digest = None if self.sparsity is None else _digest(self.sparsity)
         self.options = {"backend": self.inner, "sparsity": digest, "coloring": coloring}
-        self._plans = PlanCache()
+        self._plans = PlanCache(numpy_native=self.inner._plans.numpy_native)
 
     def __repr__(self) -> str:
         given = "detected" if self.sparsity is None else f"given {self.sparsity.shape}"

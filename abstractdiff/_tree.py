@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
 import optree
@@ -216,6 +216,7 @@ class FlatFunction(HasArtefacts):
         "_one_array",
         "_x_leaf",
         "_array_args",
+        "numpy_native",
         "__weakref__",
     )
 
@@ -243,6 +244,9 @@ class FlatFunction(HasArtefacts):
         self._preparations: dict[Any, Any] = {}
         # objects f reads that its plan key names by identity (see abstractdiff._captures)
         self._captured: list[Callable[[], Any]] = []
+        # whether numpy arrays are the backend's own (autograd, PyTensor, finite differences):
+        # f's numpy output is then a constant of its library, not a derivative numpy dropped
+        self.numpy_native = False
         # The hot paths, where rebuilding (x, args) from flat leaves is the identity:
         # x one float array (_x_leaf), each argument one array (_array_args: no static
         # leaf, no container), and both with no arguments at all (_one_array).
@@ -294,13 +298,22 @@ class FlatFunction(HasArtefacts):
         return x, args
 
     def __call__(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
+        """``(y, aux)`` of ``f`` at the flat leaves, ``y`` checked (:func:`check_output`)."""
+        y, aux = self.call_unchecked(xs, data)
+        return check_output(y, () if self.numpy_native else xs), aux
+
+    def call_unchecked(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
+        """``(y, aux)`` of ``f`` at the flat leaves with no check of ``y``: the call of an adapter
+        that evaluates ``f`` where a checked output would be refused, such as a complex-step
+        adapter passing ``x + i h t`` and reading the imaginary part of a complex ``y``.  Part
+        of the adapter protocol (``docs/guide/adapters.md``); the adapter then checks what it
+        returns itself."""
         if self._array_args:
             out = self.f(xs[0], *data)
         else:
             x, args = self.rebuild(xs, data)
             out = self.f(x, *args)
-        y, aux = split_aux(out, self.has_aux)
-        return check_output(y), aux
+        return split_aux(out, self.has_aux)
 
     def unflatten_x(self, values: list[Any], fill: Any = None) -> PyTree:
         """A tree shaped like ``x`` with ``values`` at the float leaves, ``fill`` elsewhere."""
@@ -349,12 +362,22 @@ def is_complex_dtype(dtype: Any) -> bool:
     return result
 
 
-def check_output(y: Any) -> Any:
-    """``f``'s primary output must be a real array or a Python number."""
+def check_output(y: Any, xs: Sequence[Any] = ()) -> Any:
+    """``f``'s primary output must be a real array or a Python number; ``xs`` are the arrays
+    being differentiated.
+
+    The one policy for ``f`` returning numpy (every backend, decided here): where ``xs`` are
+    another library's arrays, a numpy array or numpy scalar cannot depend on them, so it is
+    refused (:func:`_numpy_output`) rather than converted to a silently zero derivative; a
+    Python number is a constant and becomes a 0-d array.  Backends whose own arrays are numpy
+    (autograd, PyTensor's constants) pass no ``xs``: there a numpy output is a constant.
+    """
     if type(y) not in _ARRAY_TYPES:  # the hot path: an array type met before skips two hasattr
         if not is_array(y):
             return _scalar_output(y)
         _ARRAY_TYPES.add(type(y))
+    if (type(y) is np.ndarray and y.ndim or isinstance(y, np.generic)) and xs and type(xs[0]) is not np.ndarray:
+        raise _numpy_output(xs[0])
     dtype = y.dtype
     if getattr(dtype, "kind", None) == "O":  # a numpy object array
         raise InvalidOutputError(
@@ -373,6 +396,23 @@ def check_output(y: Any) -> Any:
             )
         raise _discrete_output(dtype_text(dtype))
     return y
+
+
+def _numpy_output(x: Any) -> InvalidOutputError:
+    # A numpy result cannot depend on another library's arrays: numpy converted them (numpy on
+    # the left of an operator, a numpy function, a list dispatched on a numpy first element) and
+    # dropped their derivative, which libraries that let numpy read their arrays (MLX, paddle)
+    # would return as a silent zero; or f is constant, which a Python number says.
+    kind = f"{type(x).__module__.partition('.')[0]} {type(x).__name__}"
+    return InvalidOutputError(
+        f"f returned a numpy value while {kind} values were being differentiated, so its derivative "
+        f"would silently be zero: numpy converted them and dropped their derivative. That happens with "
+        f"numpy on the left of an operator (W * x, W a numpy array f captured: pass W to f as an argument, "
+        f"which makes it a native array, or convert it once with b.asarray(W)), with a numpy function "
+        f"(np.sum(x): use autoray's numpy, anp.sum) and with a list whose first element is numpy "
+        f"(np.concatenate([data, x]): pass like=x, autoray.do('concatenate', [data, x], like=x)). If f "
+        f"really is constant, return a Python number or b.asarray(value)"
+    )
 
 
 def _discrete_output(dtype: str) -> InvalidOutputError:
@@ -508,7 +548,9 @@ class PlanCache:
 
     max_per_function = 64
 
-    def __init__(self) -> None:
+    def __init__(self, numpy_native: bool = False) -> None:
+        #: whether numpy arrays are native to the backend owning this cache (see check_output)
+        self.numpy_native = numpy_native
         # function (and owner of a bound method), held weakly -> that function's plans
         self._functions: WeakLRU[OrderedDict[Any, FlatFunction]] = WeakLRU()
         #: (id of a plain function, operator) -> ``(guard, call, ref)``, its hot call (see
@@ -627,6 +669,7 @@ def flatten_call(
         if alive:
             fn.hold_captured(alive)
         if cache is not None:
+            fn.numpy_native = cache.numpy_native
             cache.store(f, key, fn, replaces=structure if track_captures else None)
     xs = [leaves[i] for i in diff_index]
     data = [leaves[i] for i in data_index]

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import optim
 from ._convert import to_numpy
+from ._hooks import approximates
 from ._registry import backend, installed_backends
 
 __all__ = ["ParityResult", "ParitySummary", "RTOL", "mlp_init", "mlp_loss", "training_parity"]
@@ -49,7 +50,7 @@ def skip_reason(name: str) -> str | None:
     b = backend(name)
     if b.implicit:
         return SKIP_IMPLICIT
-    return SKIP_APPROXIMATE if b.approximate else None
+    return SKIP_APPROXIMATE if approximates(b) else None
 
 
 def default_rule() -> optim.Rule:

@@ -600,29 +600,3 @@ class FiniteDifferencesBackend(Backend):
 
         (mat,) = self._jacobian_matrices(derivative, wide, data, d, order=2)
         return mat.reshape(np.shape(d)).astype(np.asarray(d).dtype)
-
-
-# ---------------------------------------------------------------------------------------
-# Portable functions: the two short names numpy lacks that the portable-functions table
-# offers on every backend (docs/guide/portable.md), with scipy's semantics.  scipy is
-# imported on first call only: this adapter needs numpy alone.  The autograd adapter
-# registers these too (its functions see the numpy data arrays).
-def _register_portable_functions() -> None:
-    import autoray
-
-    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
-        import scipy.special
-
-        return scipy.special.logsumexp(a, axis=axis, b=b, keepdims=keepdims, return_sign=return_sign)
-
-    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
-        import scipy.linalg
-
-        return scipy.linalg.solve_triangular(a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal,
-                                             overwrite_b=overwrite_b, check_finite=check_finite)
-
-    autoray.register_function("numpy", "logsumexp", logsumexp)
-    autoray.register_function("numpy", "linalg.solve_triangular", solve_triangular)
-
-
-_register_portable_functions()

@@ -16,14 +16,15 @@ Two jax habits shape this module:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from abstractdiff._backend import Backend, check_scalar
-from abstractdiff._errors import ArgumentTypeError, CompositionError, DeviceError, TracedControlFlowError
+from abstractdiff._compose import ForeignKernel, boundary_error
+from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
 from abstractdiff._tree import HasArtefacts, _static_key, artefacts
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
@@ -72,6 +73,22 @@ def _platform_devices(platform: str) -> list[Any]:
         return []
 
 
+def _padded(v: Any, size: int) -> Any:
+    """``v`` padded with zeros to ``size`` (the square system of a custom_linear_solve)."""
+    return v if v.shape[0] == size else jnp.pad(v, (0, size - v.shape[0]))
+
+
+def _second_order_error(kernel: Any) -> CompositionError:
+    """The refusal of a second derivative through a custom function: the core's wording where
+    the value is a :class:`~abstractdiff._compose.ForeignKernel`'s bound method."""
+    if isinstance(kernel, ForeignKernel):
+        return boundary_error(kernel, "jax", 2)
+    return CompositionError(
+        "a second derivative through a custom function called from jax code is not supported: "
+        "jax carries its first derivatives only"
+    )
+
+
 class JaxBackend(Backend):
     name = "jax"
     extra = "jax"
@@ -95,20 +112,6 @@ class JaxBackend(Backend):
         for platform, prefix in (("gpu", "cuda"), ("tpu", "tpu")):
             names += [f"{prefix}:{i}" for i in range(len(_platform_devices(platform)))]
         return names
-
-    def normalise_device(self, device: str | None) -> str:
-        if device is None:
-            return "cpu"
-        name = str(device).lower().replace("gpu", "cuda")
-        if name in ("cuda", "tpu"):
-            name += ":0"
-        available = self.devices()
-        if name in available:
-            return name
-        raise DeviceError(
-            f"jax backend: device {device!r} is not available here; available devices: "
-            f"{', '.join(available)} (jax sees {jax.devices()})"
-        )
 
     @staticmethod
     def _device_object(name: str) -> Any:
@@ -312,60 +315,52 @@ class JaxBackend(Backend):
         return y, aux, lambda dys: list(backward(dys))
 
     # ------------------------------------------------------------- composition
-    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # The kernel's value through jax.pure_callback (so it works under jit; vmap calls
-        # it once per element) in a jax.custom_jvp.  The jvp rule's tangent must be a map
-        # jax can transpose (reverse mode) and batch (jacrev, jacfwd, vmap of grad):
+    def custom_function(self, value: Callable, vjps: Sequence[Callable], jvps: Sequence[Callable],
+                        out: tuple[int, str]) -> Callable[..., Any]:
+        # The value through jax.pure_callback (so it works under jit; vmap calls it once per
+        # element) in a jax.custom_jvp.  The jvp rule's tangent must be a map jax can
+        # transpose (reverse mode) and batch (jacrev, jacfwd, vmap of grad):
         # lax.custom_linear_solve with an identity matvec is exactly "a linear map with a
-        # custom transpose" (linear_call has no batching rule), so its solve is the
-        # kernel's pushforward and its transpose_solve the kernel's pullback, both
-        # callbacks.  A non-square Jacobian is padded to a square one with zeros.  A
-        # second derivative reaches _refuse_second_order, never a silent zero (jax treats
-        # the solves' closed-over x as constant).
-        n, m = kernel.in_size, kernel.out_size
-        k = max(n, m)
-        out_struct = jax.ShapeDtypeStruct((m,), kernel.out_dtype)
-        in_struct = jax.ShapeDtypeStruct((n,), kernel.in_dtype)
-
-        def callback(fun: Callable, shape: Any, *arrays: Any) -> Any:
-            return jax.pure_callback(fun, shape, *arrays, vmap_method="sequential")
-
-        def pad(v: Any, size: int) -> Any:
-            return v if size == k else jnp.pad(v, (0, k - size))
+        # custom transpose" (linear_call has no batching rule), so its solve is the rule's
+        # pushforward and its transpose_solve the rule's pullback.  A non-square Jacobian is
+        # padded to a square one with zeros.  The rules see the inputs through
+        # refuse_second_order: jax treats the solves' closed-over values as constants, so a
+        # second derivative would otherwise be silently zero.
+        size, dtype = out
+        struct = jax.ShapeDtypeStruct((size,), dtype)
+        kernel = getattr(value, "__self__", None)  # the ForeignKernel, for the refusal's wording
 
         @jax.custom_jvp
-        def refuse_second_order(x: Any) -> Any:
-            return x
+        def refuse_second_order(a: Any) -> Any:
+            return a
 
         @refuse_second_order.defjvp
         def _(primals: tuple, tangents: tuple) -> Any:
-            raise CompositionError(
-                f"a second derivative through differentiate_with's boundary (jax code calling a "
-                f"{kernel.backend.name} kernel) is not supported: differentiate once through it, or "
-                f"write the kernel in jax (a jax kernel nests natively)"
-            )
+            raise _second_order_error(kernel)
 
         @jax.custom_jvp
-        def foreign(x: Any) -> Any:
-            return callback(kernel.value, out_struct, x)
+        def function(*inputs: Any) -> Any:
+            return jax.pure_callback(value, struct, *inputs, vmap_method="sequential")
 
-        @foreign.defjvp
+        @function.defjvp
         def _(primals: tuple, tangents: tuple) -> Any:
-            (x,), (dx,) = primals, tangents
-            x_const = refuse_second_order(x)
+            held = [refuse_second_order(a) for a in primals]
+            total = None
+            for t, vjp, jvp in zip(tangents, vjps, jvps):
+                n = t.shape[0]
+                k = max(n, size)
 
-            def pushforward(_: Any, t: Any) -> Any:
-                jvp = callback(kernel.jvp, out_struct, x_const, t[:n])
-                return pad(jvp, m)
+                def pushforward(_: Any, v: Any, jvp: Callable = jvp, n: int = n, k: int = k) -> Any:
+                    return _padded(jvp(v[:n], *held), k)
 
-            def pullback(_: Any, ct: Any) -> Any:
-                vjp = callback(kernel.vjp, in_struct, x_const, ct[:m])
-                return pad(vjp, n)
+                def pullback(_: Any, ct: Any, vjp: Callable = vjp, k: int = k) -> Any:
+                    return _padded(vjp(ct[:size], *held), k)
 
-            dy = jax.lax.custom_linear_solve(lambda v: v, pad(dx, n), pushforward, pullback)
-            return foreign(x), dy[:m]
+                dy = jax.lax.custom_linear_solve(lambda v: v, _padded(t, k), pushforward, pullback)[:size]
+                total = dy if total is None else total + dy
+            return function(*primals), total
 
-        return foreign
+        return function
 
     # ---------------------------------------------- fast derived operators
     def flat_value_and_gradient(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, list]:
@@ -606,25 +601,3 @@ class JaxBackend(Backend):
 
     def flat_second_derivative(self, fn: Callable, xs: list, data: list) -> Any:
         return self.flat_value_derivative_and_second_derivative(fn, xs, data)[2]
-
-
-# ---------------------------------------------------------------------------------------
-# Portable functions: autoray translations for numpy/scipy calls that jax.numpy lacks
-# (docs/guide/portable.md, conformance_tests/test_portable.py), from jax.scipy.
-# Registered when this adapter is imported, i.e. when a jax backend is created.
-def _register_portable_functions() -> None:
-    import autoray
-    import jax.scipy.linalg
-    import jax.scipy.special
-
-    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
-        return jax.scipy.special.logsumexp(a, axis=axis, b=b, keepdims=keepdims, return_sign=return_sign)
-
-    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
-        return jax.scipy.linalg.solve_triangular(a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal)
-
-    autoray.register_function("jax", "logsumexp", logsumexp)
-    autoray.register_function("jax", "linalg.solve_triangular", solve_triangular)
-
-
-_register_portable_functions()

@@ -39,14 +39,22 @@ import re
 import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import optree
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.gradient import grad_undefined, hessian_vector_product, jacobian, pullback
+from pytensor.gradient import (
+    DisconnectedType,
+    NullTypeGradError,
+    disconnected_type,
+    grad_undefined,
+    hessian_vector_product,
+    jacobian,
+    pullback,
+)
 from pytensor.graph.basic import Apply, Variable
 from pytensor.graph.op import Op
 from pytensor.graph.replace import graph_replace
@@ -57,7 +65,6 @@ from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
     CompositionError,
-    DeviceError,
     InvalidArgumentError,
     NonDifferentiableInputError,
     NonScalarOutputError,
@@ -73,12 +80,12 @@ _SYMBOLIC_HINT = (
     "compiles it) and an operation needed their numbers. Write f with autoray (`from autoray import "
     "numpy as anp`) or pytensor.tensor rather than numpy calls, float() or .item()."
 )
-# What a foreign kernel's refusal of a third derivative says (see _no_third_order): PyTensor
-# raises NullTypeGradError with it, which _trace turns into a CompositionError.
-_SECOND_ORDER = re.compile(r"(a third derivative through differentiate_with's boundary.*)", re.DOTALL)
+# The refusal of a derivative through differentiate_with's boundary
+# (abstractdiff._compose.boundary_error), inside the NullTypeGradError PyTensor raises with it.
+_REFUSED = re.compile(r"(an? \w+ derivative through differentiate_with's boundary.*)", re.DOTALL)
 # PyTensor's Numba mode runs an Op without a Numba implementation in object mode, and warns;
 # for a kernel of another library that is the only way, so the warning says nothing.
-_OBJECT_MODE = r"Numba will use object mode to run _Foreign"
+_OBJECT_MODE = r"Numba will use object mode to run _CustomOp"
 
 
 # PyTensor's configuration initialises a parameter on its first read, and a second thread
@@ -244,15 +251,6 @@ class PyTensorBackend(Backend):
         self.trace_count = 0
         self._implicit_plans = PlanCache()
 
-    # ---------------------------------------------------------------- devices
-    def normalise_device(self, device: str | None) -> str:
-        if device is None or str(device).lower() in ("cpu", "cpu:0"):
-            return "cpu"
-        raise DeviceError(
-            f"pytensor backend: device {device!r} is not available; this adapter compiles PyTensor graphs "
-            f"for the CPU only (numpy arrays). Available devices: cpu"
-        )
-
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
         # numpy arrays at run time, symbolic tensors while PyTensor traces f (nested use);
@@ -322,13 +320,15 @@ class PyTensorBackend(Backend):
         return pytensor.shared(value.copy(), shape=value.shape)
 
     # ------------------------------------------------------------- composition
-    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # PyTensor Ops running the kernel's numpy functions: the value's pullback is an Op
-        # applying the kernel's pullback, whose own pullback (what PyTensor's default
-        # pushforward, a double pullback, takes with respect to the cotangent) applies the
-        # kernel's pushforward; every other derivative of those is undefined (a NullType
-        # gradient, which PyTensor raises on and _trace reports as a CompositionError).
-        return _ForeignValue(kernel)
+    def custom_function(
+        self,
+        value: Callable[..., np.ndarray],
+        vjps: Sequence[Callable[..., Any]],
+        jvps: Sequence[Callable[..., Any]],
+        out: tuple[int, str],
+    ) -> Callable[..., Any]:
+        # an Op: PyTensor differentiates the graph symbolically, so the rules build graphs too
+        return _CustomOp(value, tuple(vjps), tuple(jvps), out)
 
     # ------------------------------------------------------------ compiling
     def _trace(self, body: Callable, call: Callable, wrt: list, *groups: list) -> tuple[list, Any]:
@@ -336,10 +336,12 @@ class PyTensorBackend(Backend):
         self.trace_count += 1
         try:
             return body(call, wrt, *groups)
+        except NullTypeGradError as err:
+            refused = _REFUSED.search(str(err))
+            if refused is None:
+                raise
+            raise CompositionError(refused.group(1)) from err  # a derivative a custom function refused
         except TypeError as err:
-            refused = _SECOND_ORDER.search(str(err))
-            if refused is not None:  # a NullType gradient from a foreign kernel's pullback
-                raise CompositionError(refused.group(1)) from err
             match = _CONCRETE.search(str(err))
             if match is None:
                 raise
@@ -525,15 +527,7 @@ class PyTensorBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------
-# differentiate_with: another library's kernel as PyTensor Ops of one flat vector.
-def _no_third_order(kernel: Any) -> str:
-    return (
-        f"a third derivative through differentiate_with's boundary (pytensor code calling a "
-        f"{kernel.backend.name} kernel) is not supported: the boundary carries first and second "
-        f"derivatives; write the kernel with pytensor to nest further (a pytensor kernel nests natively)"
-    )
-
-
+# differentiate_with: the custom-derivative hook as a PyTensor Op.
 _LIVE_OPS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
@@ -541,36 +535,34 @@ def _live_op(key: int) -> Any:
     return _LIVE_OPS[key]
 
 
-class _ForeignOp(Op):
-    """An Op computing ``compute(*inputs)`` on numpy vectors with one of the kernel's
-    functions; one per kernel (its identity is the kernel's).  ``inputs`` names the
-    kernel attributes giving the inputs' dtypes, ``output`` those giving the output's
-    size and dtype."""
+def _connected(t: Any) -> bool:
+    # PyTensor marks an input without a tangent with a DisconnectedType variable
+    return t is not None and not isinstance(t.type, DisconnectedType)
 
-    __props__ = ("kernel",)
-    inputs: tuple[str, ...] = ("in_dtype",)
-    output = ("out_size", "out_dtype")
 
-    def __init__(self, kernel: Any):
-        self.kernel = kernel
+class _CustomOp(Op):
+    """An Op of 1-D vectors computing ``value`` on numpy arrays (outside PyTensor: another
+    library's kernel), differentiated by the rules ``vjps`` and ``jvps``, which build graphs
+    of other such Ops.  One per ``custom_function`` call: Ops compare by identity."""
+
+    def __init__(self, value: Callable[..., np.ndarray], vjps: tuple, jvps: tuple, out: tuple[int, str]):
+        self.value, self.vjps, self.jvps, self.out = value, vjps, jvps, out
 
     def __reduce__(self) -> tuple:
-        # Numba's object mode pickles the Op it calls back (within this process); the kernel
-        # holds locks and another library's functions, so the Op pickles as a reference
+        # Numba's object mode pickles the Op it calls back (within this process); the rules
+        # hold another library's functions and locks, so the Op pickles as a reference
         _LIVE_OPS[id(self)] = self
         return _live_op, (id(self),)
 
     def __str__(self) -> str:
-        return f"{type(self).__name__}{{{self.kernel.backend.name}}}"
+        return f"{type(self).__name__}{{{getattr(self.value, '__name__', 'value')}}}"
 
     def make_node(self, *inputs: Any) -> Apply:
-        k = self.kernel
-        inputs = [pt.cast(pt.as_tensor_variable(a), getattr(k, d)) for a, d in zip(inputs, self.inputs)]
-        size, dtype = (getattr(k, name) for name in self.output)
-        return Apply(self, inputs, [pt.vector(dtype=dtype, shape=(size,))])
+        size, dtype = self.out
+        return Apply(self, [pt.as_tensor_variable(a) for a in inputs], [pt.vector(dtype=dtype, shape=(size,))])
 
     def perform(self, node: Any, inputs: list, outputs: list) -> None:
-        out = np.asarray(self.compute(*inputs), dtype=getattr(self.kernel, self.output[1]))
+        out = np.asarray(self.value(*inputs), dtype=self.out[1])
         # PyTensor owns an Op's output, and its inplace rewrites may write into it: the
         # kernel's read-only memory (jax, tensorflow), or an input's (a kernel returning its
         # input), is copied; the Op declares no view_map
@@ -578,245 +570,22 @@ class _ForeignOp(Op):
             out = out.copy()
         outputs[0][0] = out
 
-    def compute(self, *inputs: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
     def infer_shape(self, fgraph: Any, node: Any, shapes: list) -> list:
-        return [(getattr(self.kernel, self.output[0]),)]
+        return [(self.out[0],)]
 
     def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        why = _no_third_order(self.kernel)
-        return [grad_undefined(self, i, a, why) for i, a in enumerate(inputs)]
-
-
-class _ForeignSecond(_ForeignOp):
-    """A second derivative of the kernel, ``(x, a, b)``, bilinear in ``a`` and ``b``: its
-    derivatives in them are second derivatives too (PyTensor's double-pullback forward
-    mode takes them); in ``x`` it is a third, undefined (pullback) or refused (pushforward)."""
+        # PyTensor asks for every input's cotangent at once, also for inputs the cost does not
+        # reach (its forward mode, a double pullback, differentiates a pullback in its linear
+        # argument only): a refused derivative becomes a NullType, an error only where it is used
+        # (PyTensor raises NullTypeGradError with the refusal, which _trace turns back into it)
+        grads = []
+        for i, (rule, x) in enumerate(zip(self.vjps, inputs)):
+            try:
+                grads.append(rule(cotangents[0], *inputs))
+            except CompositionError as err:
+                grads.append(grad_undefined(self, i, x, str(err)))
+        return grads
 
     def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
-        (x, a, b), (x_dot, a_dot, b_dot) = inputs, map(_tangent, tangents)
-        if x_dot is not None:
-            raise CompositionError(_no_third_order(self.kernel))
-        return [_tangent_sum(None if a_dot is None else self(x, a_dot, b),
-                             None if b_dot is None else self(x, a, b_dot))]
-
-
-class _ForeignSecondVjp(_ForeignSecond):
-    """``(x, dy, v) -> d/dx <dy, f'(x) v>``: the Hessian of ``<dy, f>`` times ``v``."""
-
-    inputs = ("in_dtype", "out_dtype", "in_dtype")
-    output = ("in_size", "in_dtype")
-
-    def compute(self, x: np.ndarray, dy: np.ndarray, v: np.ndarray) -> np.ndarray:
-        return self.kernel.second_vjp(x, dy, v)
-
-    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        (x, dy, v), (c,) = inputs, cotangents
-        return [grad_undefined(self, 0, x, _no_third_order(self.kernel)),
-                _ForeignSecondJvp(self.kernel)(x, v, c), self(x, dy, c)]  # the Hessian is symmetric
-
-
-class _ForeignSecondJvp(_ForeignSecond):
-    """``(x, v, w) -> f''(x)[v, w]``."""
-
-    inputs = ("in_dtype", "in_dtype", "in_dtype")
-
-    def compute(self, x: np.ndarray, v: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return self.kernel.second_jvp(x, v, w)
-
-    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        (x, v, w), (c,) = inputs, cotangents
-        second_vjp = _ForeignSecondVjp(self.kernel)
-        return [grad_undefined(self, 0, x, _no_third_order(self.kernel)), second_vjp(x, c, w), second_vjp(x, c, v)]
-
-
-def _tangent_sum(a: Any, b: Any) -> Any:
-    """The sum of two tangent terms, either of which may be absent (``None``)."""
-    return b if a is None else a if b is None else a + b
-
-
-def _tangent(t: Any) -> Any:
-    # PyTensor marks an input without a tangent with None or a DisconnectedType variable
-    from pytensor.gradient import DisconnectedType
-
-    return None if t is None or isinstance(t.type, DisconnectedType) else t
-
-
-class _ForeignPushforward(_ForeignOp):
-    """``(x, dx) -> J dx``: the kernel's pushforward.  Linear in ``dx``: its derivatives are
-    the pullback with respect to ``dx`` and a second derivative of the kernel with respect
-    to ``x``."""
-
-    inputs = ("in_dtype", "in_dtype")
-
-    def compute(self, x: np.ndarray, dx: np.ndarray) -> np.ndarray:
-        return self.kernel.jvp(x, dx)
-
-    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        (x, dx), (w,) = inputs, cotangents
-        return [_ForeignSecondVjp(self.kernel)(x, w, dx), _ForeignPullback(self.kernel)(x, w)]
-
-    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
-        (x, dx), (x_dot, dx_dot) = inputs, map(_tangent, tangents)
-        return [_tangent_sum(None if dx_dot is None else self(x, dx_dot),
-                             None if x_dot is None else _ForeignSecondJvp(self.kernel)(x, dx, x_dot))]
-
-
-class _ForeignPullback(_ForeignOp):
-    """``(x, dy) -> J^T dy``: the kernel's pullback.  Linear in ``dy``: its derivatives are
-    the pushforward with respect to ``dy`` (PyTensor's double-pullback forward mode) and the
-    Hessian of ``<dy, f>`` with respect to ``x``."""
-
-    inputs = ("in_dtype", "out_dtype")
-    output = ("in_size", "in_dtype")
-
-    def compute(self, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-        return self.kernel.vjp(x, dy)
-
-    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        (x, dy), (u,) = inputs, cotangents
-        return [_ForeignSecondVjp(self.kernel)(x, dy, u), _ForeignPushforward(self.kernel)(x, u)]
-
-    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
-        (x, dy), (x_dot, dy_dot) = inputs, map(_tangent, tangents)
-        return [_tangent_sum(None if dy_dot is None else self(x, dy_dot),
-                             None if x_dot is None else _ForeignSecondVjp(self.kernel)(x, dy, x_dot))]
-
-
-class _ForeignValue(_ForeignOp):
-    """``x -> f(x)``: the kernel's value, differentiated by the kernel's pullback and pushforward."""
-
-    def compute(self, x: np.ndarray) -> np.ndarray:
-        return self.kernel.value(x)
-
-    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        return [_ForeignPullback(self.kernel)(inputs[0], cotangents[0])]
-
-    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
-        return [_ForeignPushforward(self.kernel)(inputs[0], tangents[0])]
-
-
-# ---------------------------------------------------------------------------------------
-# Portable functions: autoray translations for numpy/scipy calls that pytensor.tensor lacks
-# or takes differently (docs/guide/portable.md, conformance_tests/test_portable.py).  Each
-# takes numpy's/scipy's arguments and is built from PyTensor ops that PyTensor
-# differentiates (twice, for the Hessian) and that keep the dtype.  Registered when this
-# adapter is imported, i.e. when a pytensor backend is created.
-def _register_portable_functions() -> None:
-    import autoray
-    from pytensor.tensor import special
-
-    def logsumexp(a, axis=None, b=None, keepdims=False, return_sign=False):
-        if b is not None or return_sign:
-            raise NotImplementedError("logsumexp's b= and return_sign= are not supported on PyTensor tensors")
-        return pt.logsumexp(a, axis=axis, keepdims=keepdims)
-
-    def log_softmax(x, axis=None):
-        return x - pt.logsumexp(x, axis=axis, keepdims=True)
-
-    def softmax(x, axis=None):
-        return pt.exp(log_softmax(x, axis=axis))
-
-    def xlogy(x, y):
-        zero = pt.eq(x, 0)
-        return pt.switch(zero, pt.zeros_like(x), x * pt.log(pt.switch(zero, pt.ones_like(y), y)))
-
-    def unary(op: Callable) -> Callable:
-        def numpy_like(x):
-            return op(x)
-
-        return numpy_like
-
-    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
-        return pt.linalg.solve_triangular(a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal)
-
-    def norm(x, ord=None, axis=None, keepdims=False):
-        # pytensor's norm over an axis differentiates through a complex abs, which its grad
-        # refuses: the 2-norm (Frobenius for matrices) of real arrays as sqrt(sum(x**2))
-        x = pt.as_tensor_variable(x)
-        vector = axis is None and x.ndim == 1 or isinstance(axis, int) or axis is not None and len(axis) == 1
-        if x.dtype.startswith("float") and (ord is None or ord == "fro" and not vector or ord == 2 and vector):
-            return pt.sqrt(pt.sum(x * x, axis=axis, keepdims=keepdims))
-        return pt.linalg.norm(x, ord=ord, axis=axis, keepdims=keepdims)
-
-    def prod(a, axis=None, dtype=None, out=None, keepdims=False):
-        # pytensor's prod has no second derivative (its gradient op has none): a balanced
-        # tree of products over the (static) reduced size, exact with zeros, any order
-        if dtype is not None or out is not None:
-            raise NotImplementedError("prod's dtype= and out= are not supported on PyTensor tensors")
-        a = pt.as_tensor_variable(a)
-        axes = tuple(range(a.ndim)) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
-        axes = tuple(ax % a.ndim for ax in axes) if a.ndim else ()
-        sizes = [a.type.shape[ax] for ax in axes]
-        if any(n is None for n in sizes):  # a size known only at run time
-            return pt.prod(a, axis=axis, keepdims=keepdims)
-        n = int(np.prod(sizes))
-        rest = [a.type.shape[d] for d in range(a.ndim) if d not in axes]
-        flat = pt.moveaxis(a, axes, tuple(range(len(axes)))).reshape((n, *rest)) if axes else a[None]
-        while n > 1:
-            half, odd = divmod(n, 2)
-            paired = flat[:half] * flat[half : 2 * half]
-            flat = pt.concatenate([paired, flat[2 * half :]]) if odd else paired
-            n = half + odd
-        result = flat[0] if n == 1 else pt.ones(rest, dtype=a.dtype)
-        return pt.expand_dims(result, axes) if keepdims else result
-
-    def split(ary, indices_or_sections, axis=0):
-        size = ary.type.shape[axis]
-        if isinstance(indices_or_sections, int):
-            if size is None or size % indices_or_sections:
-                raise InvalidArgumentError(
-                    f"array split does not result in an equal division ({size} by {indices_or_sections})"
-                )
-            step = size // indices_or_sections
-            bounds = list(range(0, size + 1, step))
-        else:
-            bounds = [0, *indices_or_sections, size]
-        axis = axis % ary.ndim
-        return [ary[(slice(None),) * axis + (slice(lo, hi),)] for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-    def asarray(a, dtype=None, order=None):
-        a = pt.as_tensor_variable(a)
-        return a if dtype is None else a.astype(dtype)
-
-    def hypot(x1, x2):
-        return pt.sqrt(x1 * x1 + x2 * x2)
-
-    def kron(a, b):
-        return pt.linalg.kron(a, b)
-
-    def ravel(a, order="C"):
-        return pt.flatten(a)
-
-    def copy(a, order="K", subok=False):
-        # pytensor.tensor has no copy; a graph's values are never written in place, so the
-        # identity is a copy (and differentiable)
-        return pt.as_tensor_variable(a).copy()
-
-    functions = {
-        "scipy.special.logsumexp": logsumexp,
-        "scipy.special.erf": unary(pt.erf),
-        "scipy.special.erfc": unary(pt.erfc),
-        "scipy.special.expit": unary(pt.sigmoid),
-        "scipy.special.logit": unary(special.logit),
-        "scipy.special.gammaln": unary(pt.gammaln),
-        "scipy.special.digamma": unary(pt.digamma),
-        "scipy.special.xlogy": xlogy,
-        "scipy.special.softmax": softmax,
-        "scipy.special.log_softmax": log_softmax,
-        "scipy.linalg.solve_triangular": solve_triangular,
-        "linalg.norm": norm,
-        "prod": prod,
-        "split": split,
-        "asarray": asarray,
-        "hypot": hypot,
-        "kron": kron,
-        "ravel": ravel,
-        "copy": copy,
-    }
-    for name, fn in functions.items():
-        autoray.register_function("pytensor", name, fn)
-
-
-_register_portable_functions()
+        terms = [rule(t, *inputs) for rule, t in zip(self.jvps, tangents) if _connected(t)]
+        return [pt.add(*terms) if terms else disconnected_type()]

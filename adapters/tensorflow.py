@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import optree
@@ -20,18 +20,17 @@ import tensorflow as tf
 
 import abstractdiff._operators
 from abstractdiff._backend import OPERATOR_METHODS, Backend, check_scalar
+from abstractdiff._compose import ForeignKernel
 from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
     CompositionError,
-    DeviceError,
     ModeMismatchError,
     TracedControlFlowError,
 )
 from abstractdiff._tree import Artefacts, HasArtefacts, check_output, split_aux
 
 _ZERO = tf.UnconnectedGradients.ZERO
-_DEVICE = re.compile(r"^(cpu|gpu|cuda)(?::(\d+))?$")
 
 
 def _is_array(leaf: Any) -> bool:
@@ -168,6 +167,35 @@ def _differentiated(x: Any) -> bool:
     return PossibleTapeGradientTypes([x]) != 0
 
 
+def _refusal(kernel: Any, watched: bool) -> CompositionError:
+    """The refusal of a derivative of the boundary's gradient: a second derivative (``watched``),
+    or forward mode in a graph, which the adapter's compiled operators rerun eagerly."""
+    what = "second derivatives are" if watched else "forward mode inside tf.function is (eagerly it works)"
+    calling = f"a {kernel.backend.name} kernel" if isinstance(kernel, ForeignKernel) else "a custom function"
+    err = CompositionError(
+        f"through differentiate_with's boundary (tensorflow code calling {calling}), {what} not "
+        f"supported: use reverse mode once through it, or write the kernel in tensorflow (a "
+        f"tensorflow kernel nests natively)"
+    )
+    err.eager_would_work = not watched  # forward mode alone, traced: f reruns eagerly
+    return err
+
+
+def _refusing(t: Any, kernel: Any, watched: bool) -> Any:
+    """``t``, whose gradient raises :func:`_refusal`."""
+
+    @tf.custom_gradient
+    def identity(t: Any) -> Any:
+        # not converted by autograph, which would wrap the error in a StagingError
+        @tf.autograph.experimental.do_not_convert
+        def refuse(_: Any) -> Any:
+            raise _refusal(kernel, watched)
+
+        return tf.identity(t), refuse
+
+    return identity(t)
+
+
 class TensorFlowBackend(Backend):
     name = "tensorflow"
     extra = "tensorflow"
@@ -179,30 +207,16 @@ class TensorFlowBackend(Backend):
         super().__init__(device=device, chunk_size=chunk_size, compile=compile)
         self.compile = compile
         self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
-        index = self.device.partition(":")[2]
-        self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{index}"
+        # the core's canonical "cuda:N" is TensorFlow's "/GPU:N"
+        self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{self.device.partition(':')[2]}"
         #: Number of times a tf.function body was traced (tests assert it stays put).
         self.trace_count = 0
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
         gpus = [d for d in tf.config.list_logical_devices() if d.device_type == "GPU"]
-        return ["cpu"] + [f"gpu:{i}" for i in range(len(gpus))]
-
-    def normalise_device(self, device: str | None) -> str:
-        if device is None:
-            return "cpu"
-        available = self.devices()
-        match = _DEVICE.match(str(device).strip().lower())
-        if match is not None:
-            kind, index = match.groups()
-            name = f"gpu:{index or 0}" if kind != "cpu" else "cpu" if index in (None, "0") else None
-            if name in available:
-                return name
-        raise DeviceError(
-            f"tensorflow backend: device {device!r} is not available here; available devices: "
-            f"{', '.join(available)} (spell a GPU 'gpu', 'cuda', 'gpu:N' or 'cuda:N')"
-        )
+        # canonical names: TensorFlow's GPU builds run on CUDA, so its "/GPU:N" is "cuda:N"
+        return ["cpu"] + [f"cuda:{i}" for i in range(len(gpus))]
 
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
@@ -459,55 +473,39 @@ class TensorFlowBackend(Backend):
         return [_dense(acc.jvp(g, unconnected_gradients=_ZERO)) for g in grads], None
 
     # ------------------------------------------------------------- composition
-    def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
-        # tf.custom_gradient around tf.numpy_function (which runs inside tf.function too):
-        # the kernel's value forward and its pullback as the gradient.  Forward mode
+    def custom_function(self, value: Callable, vjps: Sequence[Callable], jvps: Sequence[Callable],
+                        out: tuple[int, str]) -> Callable[..., Any]:
+        # tf.custom_gradient around tf.numpy_function (which runs inside tf.function too): the
+        # value forward and the rules' cotangents as the gradient.  Forward mode
         # (ForwardAccumulator) differentiates the gradient function with respect to its
-        # upstream gradient ("double backward"), so the pullback's own gradient with
-        # respect to dy is the kernel's pushforward.  Its gradient with respect to x would
-        # be a second derivative: when anything could still differentiate x (a tape or an
-        # accumulator watching it when the pullback is built), or in a graph (where
-        # TensorFlow's forward mode does not reach a numpy_function's custom gradient and
-        # would find zeros), that gradient raises rather than be silently zero.
-        out_dtype, in_dtype = tf.as_dtype(kernel.out_dtype), tf.as_dtype(kernel.in_dtype)
-
-        def refuse(watched: bool) -> CompositionError:
-            what = "second derivatives are" if watched else "forward mode inside tf.function is (eagerly it works)"
-            err = CompositionError(
-                f"through differentiate_with's boundary (tensorflow code calling a "
-                f"{kernel.backend.name} kernel), {what} not supported: use reverse mode once through "
-                f"it, or write the kernel in tensorflow (a tensorflow kernel nests natively)"
-            )
-            # forward mode alone, traced: the adapter's compiled operators rerun f eagerly
-            err.eager_would_work = not watched
-            return err
-
-        def pullback(x: Any, dy: Any, watched: bool, eager: bool) -> Any:
-            @tf.custom_gradient
-            def vjp(x: Any, dy: Any) -> Any:
-                dx = tf.numpy_function(kernel.vjp, [x, dy], in_dtype, stateful=False)
-                dx.set_shape((kernel.in_size,))
-
-                # not converted by autograph, which would wrap the error in a StagingError
-                @tf.autograph.experimental.do_not_convert
-                def pushforward(dx_dot: Any) -> Any:
-                    if watched or not eager:
-                        raise refuse(watched)
-                    dy_dot = tf.numpy_function(kernel.jvp, [x, dx_dot], out_dtype, stateful=False)
-                    dy_dot.set_shape((kernel.out_size,))
-                    return None, dy_dot
-
-                return dx, pushforward
-
-            return vjp(x, dy)
+        # upstream gradient ("double backward"), so it needs no jvp rule: the core's pullback
+        # node's own gradient with respect to dy is the pushforward.  A gradient's gradient
+        # with respect to the primal input x (every node's first input) would be a second
+        # derivative: when anything could still differentiate x (a tape or an accumulator
+        # watching it when the gradient is built), or in a graph (where TensorFlow's forward
+        # mode does not reach a numpy_function's custom gradient and would find zeros), the
+        # cotangents pass through _refusing, whose gradient raises rather than be silently zero.
+        size, dtype = out
+        kernel = getattr(value, "__self__", None)  # the ForeignKernel, for the refusal's wording
 
         @tf.custom_gradient
-        def foreign(x: Any) -> Any:
-            y = tf.numpy_function(kernel.value, [x], out_dtype, stateful=False)
-            y.set_shape((kernel.out_size,))
-            return y, lambda dy: pullback(x, dy, _differentiated(x), tf.executing_eagerly())
+        def function(*inputs: Any) -> Any:
+            y = tf.numpy_function(value, list(inputs), tf.as_dtype(dtype), stateful=False)
+            y.set_shape((size,))
+            # eagerly, a cotangent of x that no tape or accumulator watched when the value was
+            # computed is never asked for: the pullback node's (a Hessian's) is not computed
+            x_asked = not tf.executing_eagerly() or _differentiated(inputs[0])
 
-        return foreign
+            def gradient(g: Any) -> list:
+                watched, eager = _differentiated(inputs[0]), tf.executing_eagerly()
+                cotangents = [vjp(g, *inputs) if i or x_asked else None for i, vjp in enumerate(vjps)]
+                if watched or not eager:
+                    cotangents = [_refusing(c, kernel, watched) if c is not None else None for c in cotangents]
+                return cotangents
+
+            return y, gradient
+
+        return function
 
     # ------------------------------------------------------- flat operators
     def flat_value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:
@@ -663,88 +661,3 @@ for _name in abstractdiff._operators.__all__:
     getattr(abstractdiff._operators, _name).autograph_info__ = frozenset()
 for _name in OPERATOR_METHODS:
     getattr(Backend, _name).autograph_info__ = frozenset()
-
-
-# ---------------------------------------------------------------------------------------
-# Portable functions: autoray translations for numpy/scipy calls that
-# tf.experimental.numpy lacks or takes differently (docs/guide/portable.md,
-# conformance_tests/test_portable.py).  Each takes numpy's/scipy's arguments and is built
-# from differentiable TensorFlow ops that keep the dtype; none needs autograph.
-# Registered when this adapter is imported, i.e. when a tensorflow backend is created.
-def _register_portable_functions() -> None:
-    import autoray
-
-    def like(value: Any, ref: Any) -> Any:
-        return value if isinstance(value, tf.Tensor | tf.Variable) else tf.convert_to_tensor(value, dtype=ref.dtype)
-
-    def logsumexp(a, axis=None, keepdims=False):
-        return tf.math.reduce_logsumexp(a, axis=axis, keepdims=keepdims)
-
-    def log_softmax(x, axis=None):
-        return x - logsumexp(x, axis=axis, keepdims=True)
-
-    def softmax(x, axis=None):
-        return tf.exp(log_softmax(x, axis=axis))
-
-    def moment(sqrt: bool) -> Callable:
-        # tf.experimental.numpy's var/std fail on ddof=
-        def numpy_like(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
-            if dtype is not None or out is not None:
-                raise NotImplementedError("dtype= and out= are not supported on TensorFlow tensors")
-            mean = tf.reduce_mean(a, axis=axis, keepdims=True)
-            n = tf.cast(tf.size(a) // tf.size(mean), a.dtype)
-            var = tf.reduce_sum(tf.square(a - mean), axis=axis, keepdims=keepdims) / (n - ddof)
-            return tf.sqrt(var) if sqrt else var
-
-        return numpy_like
-
-    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
-        if unit_diagonal:
-            a = tf.linalg.set_diag(a, tf.ones_like(tf.linalg.diag_part(a)))
-        vector = b.shape.rank == 1  # scipy takes a vector right-hand side, TensorFlow a matrix
-        x = tf.linalg.triangular_solve(a, b[..., None] if vector else b, lower=lower,
-                                       adjoint=trans in (1, 2, "T", "C"))
-        return x[..., 0] if vector else x
-
-    def unary(op: Callable) -> Callable:
-        def numpy_like(x):
-            return op(x)
-
-        return numpy_like
-
-    def logit(x):
-        return tf.math.log(x) - tf.math.log1p(-x)
-
-    def pad(array, pad_width, mode="constant", constant_values=0):
-        # numpy's width forms (an int, one pair for every axis, a pair per axis); tf.pad takes the last
-        widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64).reshape(-1, 2)
-                                 if np.ndim(pad_width) else np.asarray(pad_width), (len(array.shape), 2))
-        return tf.pad(array, widths, mode=mode.upper(), constant_values=constant_values)
-
-    def xlogy(x, y):
-        return tf.math.xlogy(x, like(y, x))
-
-    functions = {
-        "logsumexp": logsumexp,
-        "scipy.special.logsumexp": logsumexp,
-        "std": moment(True),
-        "var": moment(False),
-        "linalg.solve_triangular": solve_triangular,
-        "scipy.linalg.solve_triangular": solve_triangular,
-        "scipy.special.erf": unary(tf.math.erf),
-        "scipy.special.erfc": unary(tf.math.erfc),
-        "scipy.special.expit": unary(tf.math.sigmoid),
-        "scipy.special.logit": logit,
-        "scipy.special.gammaln": unary(tf.math.lgamma),
-        "scipy.special.digamma": unary(tf.math.digamma),
-        "scipy.special.xlogy": xlogy,
-        "scipy.special.softmax": softmax,
-        "scipy.special.log_softmax": log_softmax,
-        "pad": pad,
-    }
-    for name, fn in functions.items():
-        fn.autograph_info__ = frozenset()  # called as they are inside tf.function (see above)
-        autoray.register_function("tensorflow", name, fn)
-
-
-_register_portable_functions()

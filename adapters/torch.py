@@ -35,7 +35,7 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import optree
@@ -45,8 +45,6 @@ import torch.func
 from abstractdiff._backend import Backend, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
-    CompositionError,
-    DeviceError,
     InvalidArgumentError,
     ModeMismatchError,
     NonDifferentiableInputError,
@@ -174,22 +172,6 @@ class TorchBackend(Backend):
             names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return names
 
-    def normalise_device(self, device: str | None) -> str:
-        if device is None:
-            return "cpu"
-        name = str(device).lower()
-        if name in ("gpu", "cuda"):
-            name = "cuda:0"
-        elif name.startswith("gpu:"):
-            name = "cuda:" + name[4:]
-        available = self.devices()
-        if name in available:
-            return name
-        hint = "" if torch.cuda.is_available() else f" (this torch {torch.__version__} sees no CUDA GPU)"
-        raise DeviceError(
-            f"torch backend: device {device!r} is not available here{hint}; available devices: {', '.join(available)}"
-        )
-
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
         return isinstance(a, torch.Tensor)
@@ -295,7 +277,7 @@ class TorchBackend(Backend):
         args = self._on_device_of(variables, args)
         with torch.enable_grad():
             y, aux = split_aux(f(*args), has_aux)
-            y = self._implicit_output(y)
+            y = self._implicit_output(y, variables)
             check_scalar(y)
             if y.requires_grad:
                 # never .backward(): it would accumulate into every parameter's .grad
@@ -307,7 +289,7 @@ class TorchBackend(Backend):
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
         args = self._on_device_of(variables, args)
         with torch.enable_grad():
-            y = self._implicit_output(f(*args))
+            y = self._implicit_output(f(*args), variables)
 
         def vjp(dy: Any) -> list:
             # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
@@ -322,8 +304,10 @@ class TorchBackend(Backend):
 
         return y.detach(), vjp
 
-    def _implicit_output(self, out: Any) -> torch.Tensor:
-        y = check_output(out)
+    def _implicit_output(self, out: Any, variables: list) -> torch.Tensor:
+        # the core refuses a numpy value (it cannot depend on the variables); a Python number
+        # comes back as a 0-d numpy array, a constant
+        y = check_output(out, variables)
         return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
 
     @staticmethod
@@ -347,7 +331,8 @@ class TorchBackend(Backend):
         return optree.tree_map(fit, args)
 
     def _tensor(self, y: Any) -> torch.Tensor:
-        # f may return a numpy array or number that does not depend on x.
+        # a Python number f returned, as the 0-d numpy array the core's check_output made of
+        # it (the core refused numpy's own values: they cannot depend on x)
         return y if isinstance(y, torch.Tensor) else self.asarray(np.asarray(y))
 
     # ------------------------------------------------------------- compilation
@@ -602,7 +587,7 @@ class TorchBackend(Backend):
                 return check_and_run(x, *args)
             params = [t.detach().requires_grad_() for t in leaves[:n]]
             try:
-                y = check_output(f(unflatten(x_treedef, params), *args))
+                y = check_output(f(unflatten(x_treedef, params), *args), params)
             except (TypeError, RuntimeError) as err:
                 _add_numpy_hint(err)
                 raise
@@ -619,10 +604,18 @@ class TorchBackend(Backend):
         return direct
 
     # ------------------------------------------------------------- composition
-    def foreign_function(self, kernel: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        # a torch.autograd.Function in the setup_context style: reverse mode, forward mode
-        # (jvp) and the torch.func transforms all see the kernel's derivatives
-        return lambda x: _Foreign.apply(kernel, x)
+    def custom_function(
+        self,
+        value: Callable[..., np.ndarray],
+        vjps: Sequence[Callable[..., Any]],
+        jvps: Sequence[Callable[..., Any]],
+        out: tuple[int, str],
+    ) -> Callable[..., torch.Tensor]:
+        # one torch.autograd.Function in the setup_context style: reverse mode, forward mode
+        # (jvp) and the torch.func transforms all see the rules.  ``out`` is not needed: the
+        # numpy result carries its size and dtype.
+        node = _Node(value, tuple(vjps), tuple(jvps))
+        return lambda *inputs: _Custom.apply(node, *inputs)
 
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
@@ -745,7 +738,7 @@ class TorchBackend(Backend):
     def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
-        hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))[1]
+        _, hv = _grad_and_hvp(grad, xs, tangents)
         return [_like(h, x) for h, x in zip(hv, xs)]
 
     @_explains_numpy_mix
@@ -780,7 +773,7 @@ class TorchBackend(Backend):
     def flat_gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:
         # one jvp of the gradient function: its primal output is the gradient
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
-        g, hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))
+        g, hv = _grad_and_hvp(grad, xs, tangents)
         return [_like(gi, x) for gi, x in zip(g, xs)], [_like(h, x) for h, x in zip(hv, xs)]
 
     @_explains_numpy_mix
@@ -802,12 +795,23 @@ class TorchBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------
-# Portable functions: autoray translations for numpy/scipy calls that torch lacks or
-# takes differently (docs/guide/portable.md, conformance_tests/test_portable.py).  Each
-# takes numpy's/scipy's arguments and is built from differentiable torch ops that keep
-# dtype and device.  Registered when this adapter is imported, i.e. when a torch backend
-# is created, before any user function runs on it.
-# ------------------------------------------------------------------ composition
+# Composition: a numpy function with custom derivatives as a torch operation (custom_function).  The
+# portable translations of numpy/scipy calls are abstractdiff/portable/torch.py.
+def _grad_and_hvp(grad: Callable[..., tuple], xs: list, tangents: list) -> tuple[tuple, tuple]:
+    """The gradient and the Hessian-vector product: forward over reverse (one jvp of the gradient),
+    or reverse over reverse where torch 2.13's forward mode fails on the function: a jvp through
+    the backward of an index op (take, index_select) of a float32 array scaled by a Python number
+    makes a float64 tangent and raises a dtype error (torch.func.vjp of the gradient does not); the
+    Hessian is symmetric, so the vjp of the tangents is the product."""
+    try:
+        return torch.func.jvp(grad, tuple(xs), tuple(tangents))
+    except RuntimeError as err:
+        if "same scalar type" not in str(err) and "same dtype" not in str(err):
+            raise
+        g, vjp = torch.func.vjp(grad, *xs)
+        return g, vjp(tuple(tangents))
+
+
 def _to_device_of(a: np.ndarray, like: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     """A kernel's numpy result as a tensor on ``like``'s device, without a copy on the CPU
     (DLPack takes read-only memory too).  A result lying in the memory of one of ``inputs``
@@ -846,276 +850,54 @@ def _numpy_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()  # no copy on CPU
 
 
-def _no_third_order(kernel: Any) -> CompositionError:
-    return CompositionError(
-        f"a third derivative through differentiate_with's boundary (torch code calling a "
-        f"{kernel.backend.name} kernel) is not supported: the boundary carries first and second "
-        f"derivatives; write the kernel in torch to nest further (a torch kernel nests natively)"
-    )
+class _Node:
+    """What a :class:`_Custom` call computes: its value and derivative rules (a non-tensor
+    argument of ``apply``, which torch passes through untouched; not a tuple, which
+    torch.func would flatten)."""
+
+    __slots__ = ("value", "vjps", "jvps")
+
+    def __init__(self, value: Callable[..., np.ndarray], vjps: tuple, jvps: tuple):
+        self.value, self.vjps, self.jvps = value, vjps, jvps
 
 
-def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    return b if a is None else a if b is None else a + b
+class _Custom(torch.autograd.Function):
+    """A numpy function with custom derivatives as a torch operation of 1-D tensors
+    (:meth:`TorchBackend.custom_function`): the rules are torch code calling other custom
+    functions, so torch differentiates them in turn (second derivatives, forward over reverse)."""
 
-
-class _ForeignSecond(torch.autograd.Function):
-    """A second derivative of the kernel as a torch operation (``kernel.<method>(x, a, b)``);
-    differentiating it again raises."""
-
-    method = "second_vjp"
-
-    @classmethod
-    def forward(cls, kernel: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = getattr(kernel, cls.method)(_numpy_of(x), _numpy_of(a), _numpy_of(b))
-        return _to_device_of(out, x, x, a, b)
+    @staticmethod
+    def forward(node: _Node, *inputs: torch.Tensor) -> torch.Tensor:
+        return _to_device_of(node.value(*map(_numpy_of, inputs)), inputs[0], *inputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.kernel = inputs[0]
+        ctx.node = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise _no_third_order(ctx.kernel)
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        inputs = ctx.saved_tensors
+        needed = ctx.needs_input_grad[1:]
+        return None, *(rule(g, *inputs) if need else None for rule, need in zip(ctx.node.vjps, needed))
 
     @staticmethod
-    def jvp(ctx: Any, *tangents: Any) -> Any:
-        raise _no_third_order(ctx.kernel)
+    def jvp(ctx: Any, _node_tangent: Any, *tangents: torch.Tensor | None) -> torch.Tensor:
+        inputs = ctx.saved_tensors
+        terms = [rule(t, *inputs) for rule, t in zip(ctx.node.jvps, tangents) if t is not None]
+        return sum(terms[1:], terms[0])  # torch calls jvp only when some input has a tangent
 
     @classmethod
-    def vmap(cls, info: Any, in_dims: tuple, kernel: Any, *tensors: torch.Tensor) -> tuple:
-        return _batched(info, in_dims[1:], lambda *t: cls.apply(kernel, *t), *tensors), 0
-
-
-class _ForeignSecondJvp(_ForeignSecond):
-    """``f''(x)[v, w]``, output-shaped (forward over forward)."""
-
-    method = "second_jvp"
-
-
-class _ForeignVjp(torch.autograd.Function):
-    """The kernel's pullback ``(x, dy) -> f'(x)^T dy`` as a torch operation.  Its own
-    derivatives are second derivatives of the kernel: with respect to ``dy`` the
-    pushforward, with respect to ``x`` the Hessian of ``<dy, f>``."""
-
-    @staticmethod
-    def forward(kernel: Any, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        return _to_device_of(kernel.vjp(_numpy_of(x), _numpy_of(dy)), x, x, dy)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        kernel, x, dy = inputs
-        ctx.kernel = kernel
-        ctx.save_for_backward(x, dy)
-        ctx.save_for_forward(x, dy)
-
-    @staticmethod
-    def backward(ctx: Any, u: torch.Tensor) -> tuple:
-        x, dy = ctx.saved_tensors
-        _, x_needed, dy_needed = ctx.needs_input_grad
-        return (
-            None,
-            _ForeignSecond.apply(ctx.kernel, x, dy, u) if x_needed else None,
-            _ForeignJvp.apply(ctx.kernel, x, u) if dy_needed else None,
-        )
-
-    @staticmethod
-    def jvp(ctx: Any, _kernel_tangent: Any, x_dot: torch.Tensor | None, dy_dot: torch.Tensor | None) -> Any:
-        x, dy = ctx.saved_tensors
-        return _add(
-            None if dy_dot is None else _ForeignVjp.apply(ctx.kernel, x, dy_dot),
-            None if x_dot is None else _ForeignSecond.apply(ctx.kernel, x, dy, x_dot),
-        )
-
-    @classmethod
-    def vmap(cls, info: Any, in_dims: tuple, kernel: Any, x: torch.Tensor, t: torch.Tensor) -> tuple:
-        return _batched(info, in_dims[1:], lambda a, b: cls.apply(kernel, a, b), x, t), 0
-
-
-class _ForeignJvp(_ForeignVjp):
-    """The kernel's pushforward ``(x, dx) -> f'(x) dx`` as a torch operation; its
-    derivatives: with respect to ``dx`` the pullback, with respect to ``x`` a second
-    derivative of the kernel."""
-
-    @staticmethod
-    def forward(kernel: Any, x: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
-        return _to_device_of(kernel.jvp(_numpy_of(x), _numpy_of(dx)), x, x, dx)
-
-    @staticmethod
-    def backward(ctx: Any, w: torch.Tensor) -> tuple:
-        x, dx = ctx.saved_tensors
-        _, x_needed, dx_needed = ctx.needs_input_grad
-        return (
-            None,
-            _ForeignSecond.apply(ctx.kernel, x, w, dx) if x_needed else None,
-            _ForeignVjp.apply(ctx.kernel, x, w) if dx_needed else None,
-        )
-
-    @staticmethod
-    def jvp(ctx: Any, _kernel_tangent: Any, x_dot: torch.Tensor | None, dx_dot: torch.Tensor | None) -> Any:
-        x, dx = ctx.saved_tensors
-        return _add(
-            None if dx_dot is None else _ForeignJvp.apply(ctx.kernel, x, dx_dot),
-            None if x_dot is None else _ForeignSecondJvp.apply(ctx.kernel, x, dx, x_dot),
-        )
-
-
-class _Foreign(torch.autograd.Function):
-    """Another library's kernel as a torch operation of one flat tensor (see
-    :func:`abstractdiff.differentiate_with`): value, pullback and pushforward from the kernel."""
-
-    @staticmethod
-    def forward(kernel: Any, x: torch.Tensor) -> torch.Tensor:
-        return _to_device_of(kernel.value(_numpy_of(x)), x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        kernel, x = inputs
-        ctx.kernel = kernel
-        ctx.save_for_backward(x)
-        ctx.save_for_forward(x)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        (x,) = ctx.saved_tensors
-        return None, _ForeignVjp.apply(ctx.kernel, x, dy)
-
-    @staticmethod
-    def jvp(ctx: Any, _kernel_tangent: Any, dx: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return _ForeignJvp.apply(ctx.kernel, x, dx)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, kernel: Any, x: torch.Tensor) -> tuple:
-        return _batched(info, in_dims[1:], lambda a: _Foreign.apply(kernel, a), x), 0
+    def vmap(cls, info: Any, in_dims: tuple, node: _Node, *tensors: torch.Tensor) -> tuple:
+        return _batched(info, in_dims[1:], lambda *t: cls.apply(node, *t), *tensors), 0
 
 
 def _batched(info: Any, dims: tuple, call: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-    """A kernel call under ``torch.func.vmap`` (jacobians, hessians): one call per batch
-    element (the kernel is another library's), stacked along dimension 0."""
+    """A custom function's call under ``torch.func.vmap`` (jacobians, hessians): one call per
+    batch element (its value is numpy, which cannot batch), stacked along dimension 0."""
     moved = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors, dims)]
     return torch.stack([
         call(*[t if d is None else t[i] for t, d in zip(moved, dims)]) for i in range(info.batch_size)
     ])
 
-
-def _register_portable_functions() -> None:
-    import autoray
-
-    def like(value: Any, ref: torch.Tensor) -> torch.Tensor:
-        """A Python or numpy scalar as a tensor of ``ref``'s dtype and device (numpy's weak scalars)."""
-        if isinstance(value, torch.Tensor):
-            return value
-        return torch.as_tensor(value, dtype=ref.dtype, device=ref.device)
-
-    def logsumexp(a, axis=None, keepdims=False):
-        if axis is None:
-            out = torch.logsumexp(a.reshape(-1), 0)
-            return out.reshape((1,) * a.ndim) if keepdims else out
-        return torch.logsumexp(a, dim=axis, keepdim=keepdims)
-
-    def log_softmax(x, axis=None):
-        return x - logsumexp(x, axis=axis, keepdims=True)
-
-    def softmax(x, axis=None):
-        return torch.exp(log_softmax(x, axis=axis))
-
-    def moment(op: Callable) -> Callable:
-        # numpy's ddof=0 by default; torch.std/var default to correction=1.
-        def numpy_like(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
-            if dtype is not None or out is not None:
-                raise NotImplementedError("dtype= and out= are not supported on torch tensors")
-            return op(a, dim=axis, correction=ddof, keepdim=keepdims)
-
-        return numpy_like
-
-    def roll(a, shift, axis=None):
-        if axis is None:
-            return torch.roll(a, shifts=shift)
-        return torch.roll(a, shifts=shift, dims=axis)
-
-    def dot(a, b):
-        # numpy.dot: a product with a 0-d array, else a sum over a's last axis and b's
-        # second-to-last (its only one for a vector); torch.dot takes vectors only.
-        b = like(b, a)
-        if a.ndim == 0 or b.ndim == 0:
-            return a * b
-        return torch.tensordot(a, b, dims=([a.ndim - 1], [max(b.ndim - 2, 0)]))
-
-    def repeat(a, repeats, axis=None):
-        if not isinstance(repeats, int):
-            repeats = torch.as_tensor(repeats, device=a.device)
-        return torch.repeat_interleave(a, repeats, dim=axis)
-
-    def scalar_second(op: Callable) -> Callable:
-        # numpy takes a Python scalar second argument (np.maximum(x, 0.0)); torch wants a tensor.
-        def numpy_like(x1, x2, *args, **kwargs):
-            return op(x1, like(x2, x1), *args, **kwargs)
-
-        return numpy_like
-
-    def solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False, check_finite=True):
-        if trans in (1, "T"):
-            a, lower = a.mT, not lower
-        elif trans in (2, "C"):
-            a, lower = a.mH, not lower
-        vector = b.ndim == 1  # scipy takes a vector right-hand side, torch a matrix
-        x = torch.linalg.solve_triangular(a, b.unsqueeze(-1) if vector else b, upper=not lower,
-                                          unitriangular=unit_diagonal)
-        return x.squeeze(-1) if vector else x
-
-    def unary(op: Callable) -> Callable:
-        def numpy_like(x):
-            return op(x)
-
-        return numpy_like
-
-    def copy(a, order="K", subok=False):
-        # autoray's own torch copy is detach().clone(): a derivative through it would be
-        # silently zero.  clone() is differentiable, and a copy all the same.
-        return a.clone()
-
-    def pad(array, pad_width, mode="constant", constant_values=0):
-        # numpy's widths: an int, one (before, after) pair for every axis, or a pair per axis
-        # (np.pad broadcasts them to (ndim, 2)); torch wants them flat, last axis first.
-        # autoray's own translation reads a flat pair (1, 2) as two pairs and fails.
-        if mode != "constant":
-            raise NotImplementedError(f"pad mode={mode!r} is not supported on torch tensors (only 'constant')")
-        widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (array.ndim, 2))
-        flat = tuple(int(w) for pair in widths[::-1] for w in pair)
-        return torch.nn.functional.pad(array, flat, mode="constant", value=constant_values)
-
-    def logit(x):
-        return torch.special.logit(x)
-
-    def xlogy(x, y):
-        return torch.special.xlogy(x, like(y, x))
-
-    functions = {
-        "logsumexp": logsumexp,
-        "scipy.special.logsumexp": logsumexp,
-        "std": moment(torch.std),
-        "var": moment(torch.var),
-        "roll": roll,
-        "copy": copy,
-        "pad": pad,
-        "dot": dot,
-        "repeat": repeat,
-        "linalg.solve_triangular": solve_triangular,
-        "scipy.linalg.solve_triangular": solve_triangular,
-        "scipy.special.erf": unary(torch.special.erf),
-        "scipy.special.erfc": unary(torch.special.erfc),
-        "scipy.special.expit": unary(torch.special.expit),
-        "scipy.special.logit": logit,
-        "scipy.special.gammaln": unary(torch.special.gammaln),
-        "scipy.special.digamma": unary(torch.special.digamma),
-        "scipy.special.xlogy": xlogy,
-        "scipy.special.softmax": softmax,
-        "scipy.special.log_softmax": log_softmax,
-    }
-    for name, fn in functions.items():
-        autoray.register_function("torch", name, fn)
-    for name in ("maximum", "minimum", "logaddexp", "logaddexp2", "arctan2", "hypot"):
-        autoray.register_function("torch", name, scalar_second, wrap=True)
-
-
-_register_portable_functions()

@@ -523,6 +523,29 @@ def _gpu_or_skip() -> str:
     return gpus[0]
 
 
+def _product(b):
+    """``(x, y) -> x[:2] * y`` on the custom-function hook: two inputs of different sizes (3, 2),
+    so the linear solves are padded, with numpy values and jax rules."""
+    vjps = (lambda c, x, y: jnp.pad(c * y, (0, 1)), lambda c, x, y: c * x[:2])
+    jvps = (lambda t, x, y: t[:2] * y, lambda t, x, y: x[:2] * t)
+    return b.custom_function(lambda x, y: x[:2] * y, vjps, jvps, (2, "float32"))
+
+
+def test_custom_function_reverse_forward_jit_vmap_and_refused_second_order(b):
+    """jacrev, jacfwd (the solves and their transposes), under jit and vmap; a second derivative
+    raises (jax would take the rules' inputs as constants: a silent zero), in a kernel-free wording."""
+    f = _product(b)
+    x, y = jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([4.0, 5.0])
+    want = (np.array([[4.0, 0, 0], [0, 5.0, 0]]), np.diag([1.0, 2.0]))
+    for op in (jax.jacrev, jax.jacfwd):
+        for got, expected in zip(jax.jit(op(f, argnums=(0, 1)))(x, y), want):
+            np.testing.assert_allclose(got, expected)
+    grads = jax.vmap(jax.grad(lambda x, y: jnp.sum(f(x, y)), argnums=1), in_axes=(None, 0))(x, jnp.stack([y, 2 * y]))
+    np.testing.assert_allclose(grads, [[1.0, 2.0], [1.0, 2.0]])
+    with pytest.raises(ad.CompositionError, match="second derivative through a custom function"):
+        jax.hessian(lambda x: jnp.sum(f(x, y)))(x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_matches_cpu_for_every_operator(dtype):

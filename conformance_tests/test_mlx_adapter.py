@@ -4,6 +4,8 @@ missing JVP rules, compiled traces, modules without variables, devices)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import optree
 import pytest
@@ -285,13 +287,14 @@ def test_indices_computed_from_traced_values(b):
     assert_close(ad.gradient(b, f, x), np.array([[0, 1.8, 0], [1.6, 0, 0]]), "float64")
 
 
-def test_numpy_on_the_left_raises_a_constant_warns(b):
+def test_numpy_on_the_left_raises_a_python_number_is_a_constant(b):
     w = np.array([1.0, 2.0])
     with pytest.raises(ad.InvalidOutputError, match="numpy on the left"):  # numpy converted x: no derivative
         ad.gradient(b, lambda x: (w * x).sum(), np.ones(2))
     with pytest.raises(ad.InvalidOutputError, match="like=x"):
         ad.jacobian(b, lambda x: anp.concatenate([w, x]), np.ones(2))
-    with pytest.warns(RuntimeWarning, match="derivative is zero"):  # a Python number: a constant, warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Python number is a constant, without a warning
         g = ad.gradient(b, lambda x: 3.0, np.ones(2))
     assert_close(g, np.zeros(2), "float64")
 
@@ -404,11 +407,12 @@ def test_compiled_trace_follows_captured_values(compiled):
 def test_devices_and_global_settings_untouched():
     b = ad.backend("mlx")
     assert b.devices()[0] == "cpu" and b.device == "cpu"
+    assert all(d.startswith(("cuda:", "mps:")) for d in b.devices()[1:])  # the core's canonical names
     for spelling in (None, "cpu", "CPU", "cpu:0"):
         assert b.normalise_device(spelling) == "cpu"
     default_device, default_stream = mx.default_device(), mx.default_stream(mx.default_device())
     if len(b.devices()) == 1:
-        for spelling in ("gpu", "cuda", "metal", "gpu:1"):
+        for spelling in ("gpu", "cuda", "cuda:0", "metal", "mps", "gpu:1"):
             with pytest.raises(ad.DeviceError, match="no GPU") as info:
                 ad.backend("mlx", device=spelling)
             assert "available devices: cpu" in str(info.value)
@@ -418,6 +422,23 @@ def test_devices_and_global_settings_untouched():
     ad.gradient(ad.backend("mlx", compile=True), cube, point(3, "float32"))
     assert mx.default_device() == default_device and mx.default_stream(default_device) == default_stream
     assert mx.array(np.ones(1)).dtype == mx.float32  # MLX's default float is still its own
+
+
+@pytest.mark.parametrize(("cuda", "metal", "expected"), [
+    (True, False, ["cpu", "cuda:0", "cuda:1"]),  # mlx[cuda] on two NVIDIA GPUs
+    (False, True, ["cpu", "mps:0"]),  # macOS's mlx on Apple's Metal GPU
+    (False, False, ["cpu"]),
+])
+def test_gpus_get_the_cores_canonical_names(monkeypatch, b, cuda, metal, expected):
+    # MLX calls either GPU mx.gpu; the name says which, so that "cuda:0" means the same on every backend
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: metal)
+    monkeypatch.setattr(mx, "device_count", lambda device: 2)
+    assert b.devices() == expected
+    if len(expected) > 1:
+        assert b.normalise_device("gpu") == expected[1]  # the first GPU, whichever kind it is
+    for name in expected[1:]:  # "gpu:1" and "metal" spell them too
+        assert b.normalise_device(name.replace("cuda", "gpu").replace("mps", "metal")) == name
 
 
 @pytest.mark.gpu

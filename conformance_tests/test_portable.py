@@ -97,10 +97,11 @@ GAPS: dict[tuple[str, str], tuple[str, str]] = {
 #: "first order" marks: float32 reaches ✓ there.
 FLOAT64_ONLY = frozenset({("mlx", "expm1")})
 
-#: What abstractdiff translates, per backend: autoray name -> why.  Each adapter registers
-#: these in its ``_register_portable_functions`` (with ``autoray.register_function``) when
-#: the backend is created; every other call is autoray's own translation, or the library's
-#: function of that name.  ``test_translations_come_from_the_adapters`` keeps this in step.
+#: What abstractdiff translates, per backend: autoray name -> why.  Each library's table,
+#: ``abstractdiff.portable.<library>``, holds these; creating the backend registers it with
+#: autoray (:func:`abstractdiff.portable.apply`); every other call is autoray's own translation,
+#: or the library's function of that name.  ``test_translations_come_from_the_portable_tables``
+#: keeps this in step.
 _SCALAR = "numpy takes a Python scalar as second argument; torch wants a tensor"
 _SCIPY_TORCH = "not in torch's namespace: torch.special"
 _SCIPY_TF = "not in tf.experimental.numpy: tf.math"
@@ -187,8 +188,8 @@ TRANSLATED: dict[str, dict[str, str]] = {
         "diagonal": "autograd differentiates offset=0 only: fancy indexing",
         "pad": "autograd's derivative fails unless `mode` is passed",
         "broadcast_to": "autograd's derivative fails on new leading axes: reshape first",
-        "where": "a comparison of autograd's traced values is a numpy mask, so `where` dispatches to numpy: "
-                 "numpy's `where` hands traced values to autograd.numpy.where",
+        "where": "a comparison of autograd's traced values is a numpy mask, which autoray would send to numpy's "
+                 "`where`: a dispatcher sends a call with a traced value to autograd.numpy.where",
     },
     "mlx": {
         "copy": "autoray finds no copy for mlx: mx.array(a), a new array that keeps the derivative",
@@ -648,17 +649,40 @@ def _registered_by(lib: str, name: str) -> str | None:
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_translations_come_from_the_adapters(backend_name: str, request: pytest.FixtureRequest) -> None:
-    """The table's names this backend's adapter registers are exactly those of :data:`TRANSLATED`."""
+def test_translations_come_from_the_portable_tables(backend_name: str, request: pytest.FixtureRequest) -> None:
+    """The table's names this backend's library table registers are exactly those of :data:`TRANSLATED`,
+    and they come from ``abstractdiff.portable.<library>``, never from the adapter."""
+    from abstractdiff import portable
 
-    _load(backend_name, request.config)  # imports the adapter, which registers its translations
-    module = f"abstractdiff.adapters.{backend_name}"
-    # f sees the library's arrays, and numpy arrays (data autograd does not box)
-    libs = {AUTORAY_NAME[backend_name], "numpy"}
-    ours = {name for name in {p.name for p in PORTABLE} for lib in libs if _registered_by(lib, name) == module}
+    _load(backend_name, request.config)  # creating the backend applies its library's table
+    lib = AUTORAY_NAME[backend_name]
+    module = f"abstractdiff.portable.{lib}"
+    assert lib in portable.applied(), f"creating the {backend_name} backend did not apply {module}"
+    names = {p.name for p in PORTABLE}
+    ours = {name for name in names if _registered_by(lib, name) == module}
     assert ours == set(TRANSLATED[backend_name]), (
         f"registered by {module}: {sorted(ours)}; TRANSLATED lists {sorted(TRANSLATED[backend_name])}"
     )
+    adapter = f"abstractdiff.adapters.{backend_name}"
+    from_adapter = {name for name in names for where in (lib, "numpy") if _registered_by(where, name) == adapter}
+    assert not from_adapter, f"{adapter} registers translations itself: {sorted(from_adapter)}"
+
+
+def test_no_table_replaces_numpys_own_functions() -> None:
+    """Nothing patches numpy's functions for numpy users: the numpy table only adds names numpy lacks."""
+    import numpy as np
+
+    from abstractdiff import portable
+
+    numpy_table = portable.table("numpy")
+    assert numpy_table is not None and not numpy_table.wrapped
+    for name in numpy_table.names():
+        head, _, tail = name.rpartition(".")
+        owner = np if not head else getattr(np, head, None)
+        assert owner is None or not hasattr(owner, tail), f"the numpy table replaces numpy's own {name}"
+    for lib in portable.applied():
+        found = portable.table(lib)
+        assert found is None or found.library == lib, f"the {lib} table registers for {found.library}"
 
 
 def test_table_is_large_and_unique() -> None:
@@ -720,9 +744,12 @@ def render_table() -> str:
             out.append(f"| `{call}` | {cells} | {entry.note} |")
         out.append("")
     out += ["### Translations", "",
-            "What each adapter registers with `autoray.register_function` when its backend is created "
-            "(`_register_portable_functions` at the end of `adapters/<library>.py`); every other call is "
-            "autoray's own translation or the library's function of that name.", ""]
+            "What abstractdiff translates, per library: each library's table is one module, "
+            "`abstractdiff/portable/<library>.py`, whose `translations()` returns the functions; creating "
+            "a backend registers its library's table with autoray (`abstractdiff.portable.apply`), once per "
+            "process. Importing an adapter registers nothing, and no table replaces one of numpy's own "
+            "functions. Every other call is autoray's own translation or the library's function of that "
+            "name.", ""]
     for backend in BACKENDS:
         if not TRANSLATED[backend]:
             continue

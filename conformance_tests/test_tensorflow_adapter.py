@@ -23,7 +23,7 @@ RTOL = {np.float32: 1e-4, np.float64: 1e-9}
 # their nested (second-order) stencils to less
 FD_RTOL = {np.float32: 1e-3, np.float64: 1e-7}
 FD_RTOL2 = {np.float32: 2e-2, np.float64: 1e-5}
-HAS_GPU = "gpu:0" in TF.devices()
+HAS_GPU = "cuda:0" in TF.devices()
 
 
 def close(actual, expected, dtype, rtol=None):
@@ -350,7 +350,7 @@ def test_bad_inputs_and_outputs():
 
 
 def test_missing_device_lists_available_ones():
-    missing = f"gpu:{len(TF.devices()) + 3}"
+    missing = f"cuda:{len(TF.devices()) + 3}"
     with pytest.raises(ad.DeviceError, match="available devices: cpu") as info:
         ad.backend("tensorflow", device=missing)
     assert missing in str(info.value)
@@ -372,8 +372,9 @@ def test_devices_and_normalisation():
         assert TF.normalise_device(spelling) == "cpu"
     assert TF.tf_device == "/CPU:0"
     if HAS_GPU:
-        for spelling in ("gpu", "cuda", "cuda:0", "GPU:0"):
-            assert TF.normalise_device(spelling) == "gpu:0"
+        # TensorFlow's own spellings name the same GPU as the canonical "cuda:0"
+        for spelling in ("gpu", "cuda", "cuda:0", "GPU:0", "/GPU:0", "/device:GPU:0"):
+            assert TF.normalise_device(spelling) == "cuda:0"
 
 
 def test_is_native_and_asarray():
@@ -432,13 +433,55 @@ def test_nested_in_users_tape_and_tf_function(backend):
     close(user(x), 2 * np.cos(2 * x.numpy()), np.float32)
 
 
+# ------------------------------------------------------------------ composition
+def _product():
+    """``(x, y) -> x[:2] * y`` on the custom-function hook: two inputs of different sizes (3, 2),
+    with a numpy value and TensorFlow rules."""
+    vjps = (lambda c, x, y: tf.pad(c * y, [[0, 1]]), lambda c, x, y: c * x[:2])
+    return TF.custom_function(lambda x, y: x[:2] * y, vjps, (), (2, "float64"))
+
+
+def test_custom_function_reverse_forward_and_refusals():
+    """Reverse mode eagerly and in tf.function, forward mode eagerly (through the gradient's
+    double backward), and the refusals: a second derivative, and forward mode in a graph."""
+    f = _product()
+    x, y = tf.constant([1.0, 2.0, 3.0], tf.float64), tf.constant([4.0, 5.0], tf.float64)
+
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch([x, y])
+            z = tf.reduce_sum(f(x, y))
+        return tape.gradient(z, [x, y])
+
+    for run in (gradients, tf.function(gradients)):
+        gx, gy = run(x, y)
+        np.testing.assert_allclose(gx, [4.0, 5.0, 0.0])
+        np.testing.assert_allclose(gy, [1.0, 2.0])
+
+    def jvp(x, y):
+        with tf.autodiff.ForwardAccumulator([x, y], [tf.ones_like(x), 2 * tf.ones_like(y)]) as acc:
+            z = f(x, y)
+        return acc.jvp(z)
+
+    np.testing.assert_allclose(jvp(x, y), [4.0 + 2.0, 5.0 + 4.0])
+    with pytest.raises(Exception, match="forward mode inside tf.function") as info:
+        tf.function(jvp)(x, y)
+    assert "a custom function" in str(info.value)
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        _, gy = gradients(x, y)  # x * 1 (the cotangent of y): its gradient in x would be a second one
+    with pytest.raises(ad.CompositionError, match="second derivatives are not supported") as info:
+        outer.gradient(gy, x)
+    assert info.value.eager_would_work is False
+
+
 # ------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no GPU visible to tensorflow (tf.config.list_logical_devices)")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_matches_cpu(dtype):
     gpu = ad.backend("tensorflow", device="gpu")
-    assert gpu.tf_device == "/GPU:0"
+    assert gpu.device == "cuda:0" and gpu.tf_device == "/GPU:0"
     rtol = {np.float32: 1e-5, np.float64: 1e-10}[dtype]
     f, x, args, _, _ = least_squares(dtype)
     vf, w, a, _, _ = vector_fn(dtype)

@@ -32,12 +32,6 @@ N = 100
 BUILT_IN = ("finite_differences", "autograd", "jax", "tensorflow", "torch", "mlx", "paddle", "pytensor")
 #: backends that, with chunk_size=None, build the whole Jacobian with one call of the library's own
 NATIVE_WHEN_NONE = ("jax", "tensorflow", "torch", "mlx", "pytensor")
-#: backends whose Jacobian does not yet go through the core's chunks when chunk_size is given:
-#: torch hands chunk_size to torch.func.jacrev (chunked inside torch, not countable here),
-#: PyTensor builds one symbolic Jacobian, and minitape's adapter takes no chunk_size option.
-NOT_YET = {
-    "minitape": "MinitapeBackend.__init__ takes no chunk_size (the core does not set the option itself)",
-}
 OUTOFTREE = Path(__file__).parent / "outoftree"
 
 RNG = np.random.default_rng(25)
@@ -53,13 +47,16 @@ def analytic_jacobian() -> np.ndarray:
     return (1 - np.tanh(W @ X) ** 2)[:, None] * W
 
 
-def make_backend(name: str, chunk_size: int | None, monkeypatch) -> ad.Backend:
+def make_backend(name: str, chunk_size: int | None, monkeypatch, request) -> ad.Backend:
     if name == "minitape":
         pytest.importorskip("optree")
         monkeypatch.syspath_prepend(str(OUTOFTREE))
         from abstractdiff_minitape import MinitapeBackend
 
-        return MinitapeBackend() if chunk_size is None else MinitapeBackend(chunk_size=chunk_size)
+        # its constructor takes no chunk_size: ad.backend sets the core's option itself
+        request.getfixturevalue("clean_registry")
+        ad.register_backend("minitape", MinitapeBackend, replace=True)
+        return ad.backend("minitape", chunk_size=chunk_size)
     if name not in ad.available_backends():
         pytest.skip(f"{name} is not installed")
     return ad.backend(name, chunk_size=chunk_size)
@@ -84,9 +81,7 @@ def expected_calls(name: str, chunk_size: int | None) -> int:
 @pytest.mark.parametrize("chunk_size", [1, 7, None], ids=["chunk1", "chunk7", "none"])
 @pytest.mark.parametrize("name", (*BUILT_IN, "minitape"))
 def test_a_jacobian_costs_one_batched_call_per_chunk(request, monkeypatch, name, chunk_size):
-    if chunk_size is not None and name in NOT_YET:
-        request.applymarker(pytest.mark.xfail(reason=NOT_YET[name], strict=True))
-    b = make_backend(name, chunk_size, monkeypatch)
+    b = make_backend(name, chunk_size, monkeypatch, request)
     counter = CallCounter(monkeypatch, b)
     j = as_numpy(ad.jacobian(b, f, X, W))
     assert j.shape == (N, N)
@@ -116,3 +111,20 @@ def test_a_chunked_hessian_costs_one_batched_call_per_chunk(monkeypatch, name):
         np.testing.assert_allclose(h, want, rtol=tol, atol=tol)
         assert counter.calls == calls
 
+
+
+def test_the_core_owns_chunk_size_for_an_adapter_that_does_not_take_it(clean_registry, monkeypatch):
+    """A third-party constructor without the option still gets it, checked by the core, and two
+    chunk sizes are two backends (their compiled artefacts differ)."""
+    monkeypatch.syspath_prepend(str(OUTOFTREE))
+    pytest.importorskip("optree")
+    from abstractdiff_minitape import MinitapeBackend
+
+    ad.register_backend("minitape", MinitapeBackend, replace=True)
+    seven = ad.backend("minitape", chunk_size=7)
+    assert seven.chunk_size == 7 and seven.options["chunk_size"] == 7
+    assert ad.backend("minitape").chunk_size is None
+    assert seven != ad.backend("minitape") and seven.cache_key != ad.backend("minitape").cache_key
+    for bad in (0, -1, 2.5, True, "7"):
+        with pytest.raises(ad.InvalidArgumentError, match="chunk_size must be a positive int"):
+            ad.backend("minitape", chunk_size=bad)

@@ -132,6 +132,42 @@ def test_second_derivatives_through_the_boundary(outer, inner):
 
 
 @pytest.mark.parametrize("outer", sorted(SECOND_ORDER & set(OUTERS)))
+def test_every_mixed_second_derivative_through_the_boundary(outer):
+    """Forward over reverse, reverse over forward and forward over forward: each needs the
+    second derivatives' own derivatives in their linear operands (PyTensor's and paddle's
+    forward mode are two pullbacks), which are second derivatives, not third ones."""
+    inner = "jax" if outer != "jax" else "torch"
+    if inner not in INNERS:
+        pytest.skip(f"{inner} is not installed")
+    b = ad.backend(outer)
+    g = ad.differentiate_with(kernel, inner)
+
+    def outer(t, g=g):  # outer_code with products for powers (paddle 3.3's nested pow kernels fail)
+        out = g({"u": t[:3] * 2.0, "v": t[3:]})
+        return anp.concatenate([out["a"] * out["a"], anp.reshape(out["b"], (1,))])
+
+    def want(t):
+        u, v = t[:3] * 2.0, t[3:]
+        a = anp.sin(u) * v[0]
+        return anp.concatenate([a * a, anp.reshape(anp.sum(u * u * u), (1,))])
+
+    f = lambda t: anp.sum(outer(t) * anp.cos(t[:4]))  # noqa: E731
+    want_f = lambda t: anp.sum(want(t) * anp.cos(t[:4]))  # noqa: E731
+    x, v = b.asarray(X), b.asarray(np.linspace(-1.0, 1.0, X.size))
+    with b.scope([x]):
+        pairs = [
+            (ad.pushforward(b, lambda t: ad.gradient(b, f, t), x)(v),
+             ad.pushforward(b, lambda t: ad.gradient(b, want_f, t), x)(v)),
+            (ad.jacobian(b, lambda t: ad.pushforward(b, outer, t)(v), x),
+             ad.jacobian(b, lambda t: ad.pushforward(b, want, t)(v), x)),
+        ]
+        line = ad.differentiate_with(lambda t: anp.sin(t) * 2.0, inner)
+        pairs.append((ad.second_derivative(b, line, b.asarray(np.array(0.3))), -2.0 * np.sin(0.3)))
+        for got, want in pairs:
+            np.testing.assert_allclose(ad.to_numpy(got), ad.to_numpy(want), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("outer", sorted(SECOND_ORDER & set(OUTERS)))
 def test_third_derivative_through_the_boundary_raises(outer):
     inner = "jax" if outer != "jax" else "torch"
     b = ad.backend(outer)
@@ -432,3 +468,26 @@ def test_dlpack_hooks_keep_dtype_and_values(lib, dtype):
     assert back.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(back, a)
     assert np.shares_memory(back, a) == (lib not in COPIES_FOR_KERNEL)
+
+
+def test_a_zero_operand_of_a_second_derivative_costs_no_kernel_call(monkeypatch):
+    """second_vjp and second_jvp are bilinear in their last two operands: a caller's dummy zero
+    (paddle's double-vjp forward mode passes one) returns zeros without a Hessian-vector product."""
+    import abstractdiff._operators as operators
+
+    g = ad.differentiate_with(kernel, "finite_differences")
+    k = g.kernel({"u": X[:3], "v": X[3:]}, (), "float64")
+    calls = []
+    def counted(name):
+        real = getattr(operators, name)
+        return lambda *a, **kw: calls.append(name) or real(*a, **kw)
+
+    for name in ("hvp", "second_derivative"):
+        monkeypatch.setattr(operators, name, counted(name))
+    x, zero_in, zero_out = X, np.zeros(k.in_size), np.zeros(k.out_size)
+    v = np.linspace(-1.0, 1.0, k.in_size)
+    assert not k.second_vjp(x, zero_out, v).any() and not k.second_vjp(x, np.ones(k.out_size), zero_in).any()
+    assert not k.second_jvp(x, zero_in, v).any() and not k.second_jvp(x, v, zero_in).any()
+    assert k.second_vjp(x, zero_out, v).shape == (k.in_size,) and k.second_jvp(x, v, zero_in).shape == (k.out_size,)
+    assert calls == []
+    assert k.second_vjp(x, np.ones(k.out_size), v).any() and calls == ["hvp"]

@@ -20,6 +20,7 @@ import optree
 from .._backend import Backend
 from .._convert import to_numpy
 from .._errors import InvalidArgumentError
+from .._hooks import approximates
 from .._tree import is_array, is_float_dtype
 from ._scenarios import COMBINED, OPERATORS, SECOND_ORDER, Scenario, default_scenarios, switching_scenarios
 
@@ -70,8 +71,9 @@ _APPROX_RTOL = {"float64": (1e-8, 1e-5), "float32": (2e-3, 1e-1)}
 def is_approximate(b: Backend) -> bool:
     """Whether ``b`` approximates derivatives (finite differences) rather than computing them.
 
-    ``is_approximate(b) -> bool``; an implicit backend answers for its inner one, and a
-    third-party backend can set the class attribute ``approximate = True``.
+    ``is_approximate(b) -> bool``, at any derivative order; an implicit backend answers for its
+    inner one, and a third-party backend sets the class attribute ``approximate = True`` (or one
+    bool per order, ``(False, True)``: exact first derivatives, approximate second ones).
 
     Example:
         >>> import abstractdiff as ad
@@ -80,7 +82,7 @@ def is_approximate(b: Backend) -> bool:
         >>> testing.is_approximate(fd), testing.is_approximate(ad.Implicit(fd))
         (True, True)
     """
-    return bool(b.approximate)
+    return approximates(b)
 
 
 def default_rtol(b: Backend, dtype: str, operator: str) -> float:
@@ -96,9 +98,10 @@ def default_rtol(b: Backend, dtype: str, operator: str) -> float:
         >>> testing.default_rtol(fd, "float64", "gradient"), testing.default_rtol(fd, "float64", "hessian")
         (1e-08, 1e-05)
     """
-    table = _APPROX_RTOL if is_approximate(b) else _EXACT_RTOL
+    order = 2 if operator in SECOND_ORDER else 1
+    table = _APPROX_RTOL if approximates(b, order) else _EXACT_RTOL  # approximate may differ per order
     first, second = table.get(dtype, table["float32"])
-    return second if operator in SECOND_ORDER else first
+    return second if order == 2 else first
 
 
 def is_implicit(b: Backend) -> bool:

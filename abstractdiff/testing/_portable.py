@@ -14,8 +14,9 @@ differences; its Hessian-vector product against jax in float64; dtype kept) and 
 ``docs/guide/portable.md`` from this table.  The matrix functions carry a second point
 (``resized``: the same call at n = 6, besides the n = 3 of ``wrt``), because some
 libraries' derivatives are right at 3x3 only.  The translations that make every entry
-work live in each adapter (``_register_portable_functions``): importing this module
-imports no AD library, and scipy only when a reference is evaluated.
+work are each library's table in :mod:`abstractdiff.portable`, registered when a backend of
+that library is created: importing this module imports no AD library, and scipy only when a
+reference is evaluated.
 
 >>> from abstractdiff.testing._portable import PORTABLE
 >>> len(PORTABLE) >= 60
