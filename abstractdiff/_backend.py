@@ -33,7 +33,9 @@ from ._errors import (
     NonDifferentiableInputError,
     ShapeMismatchError,
 )
+from ._hooks import parse_device
 from ._prepare import PREPARATIONS, PREPARED, TANGENT_OPERATORS, Preparation, Prepared
+from ._registry import hold_adapters_in
 from ._tree import (
     BASIC_STATIC,
     FlatFunction,
@@ -43,8 +45,12 @@ from ._tree import (
     is_array,
     unflattened_container_error,
 )
+from .protocol import FAST_ROUTES
 
-__all__ = ["Backend", "GradientDotTangent", "GradientFunction", "check_scalar", "dtype_name", "shape_of", "size_of"]
+__all__ = [
+    "AdapterBackend", "Backend", "GradientDotTangent", "GradientFunction", "check_scalar", "dtype_name", "shape_of",
+    "size_of",
+]
 
 #: How many preparations (input signatures) a flat function keeps per operator.
 MAX_SIGNATURES = 32
@@ -374,3 +380,122 @@ OPERATOR_METHODS = (
     "value_derivative_and_second_derivative", "value_and_jacobian", "value_gradient_and_hessian", "gradient_and_hvp",
     "_unprepared", "asarray", "convert",
 )
+
+
+# ---------------------------------------------------------------------------------------
+# The backend holding an adapter (abstractdiff.protocol.Adapter)
+#: Fast routes that build a whole Jacobian: taken only when chunk_size is None (chunking is the core's).
+_JACOBIAN_ROUTES = frozenset({
+    "prepare_jacobian", "jacobian", "hessian", "hessian_blocks", "value_gradient_and_hessian",
+})
+#: The array, device and pytree hooks the holder takes from its adapter as they are.
+_ADAPTER_HOOKS = (
+    "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",
+    "from_dlpack", "numpy_view", "devices", "is_pytree_node",
+)
+#: Variable hooks: the adapter's ``variables`` object's, where it has one.
+_VARIABLE_HOOKS = (
+    "is_variable", "check_variable", "model_variables", "model_state", "read", "write", "current_value",
+    "new_variable", "swap", "aliases", "implicit_value_and_gradient", "implicit_value_and_pullback",
+)
+
+
+def _overrides(adapter: Any, method: str) -> bool:
+    from .protocol import Adapter
+
+    return getattr(type(adapter), method) is not getattr(Adapter, method)
+
+
+class AdapterBackend(Backend):
+    """The core's backend holding an adapter: what ``ad.backend(name)`` returns for an adapter
+    of the protocol (:class:`abstractdiff.protocol.Adapter`).
+
+    ``AdapterBackend(adapter_class, *, device=None, chunk_size=None, **options)``: the core
+    parses ``device`` against the adapter's ``devices()``, keeps ``chunk_size`` itself, and
+    makes the adapter with the canonical device and the remaining (the adapter's own) options.
+    Everything else is the core's: the operators are derived from the adapter's primitives,
+    except where its ``fast_routes`` name a faster method.  Attributes the core does not
+    define are read from the adapter (``b.trace_count``), so code written for the adapter
+    classes that subclassed ``ad.Backend`` keeps working.
+    """
+
+    def __init__(self, adapter_class: type, *, device: str | None = None, chunk_size: int | None = None,
+                 **options: Any):
+        probe = adapter_class.__new__(adapter_class)  # devices() before the adapter exists: its class's
+        for trait in ("name", "extra", "modules", "approximate", "reuses_traces"):
+            setattr(self, trait, getattr(adapter_class, trait))
+        canonical = parse_device(device, probe.devices(), adapter_class.name)
+        self.adapter = adapter = adapter_class(device=canonical, **options)
+        adapter.backend = self  # the core's services the adapter calls (complete, artefacts' keys)
+        for hook in _ADAPTER_HOOKS:
+            setattr(self, hook, getattr(adapter, hook))
+        if adapter.variables is not None:
+            for hook in _VARIABLE_HOOKS:
+                if hasattr(adapter.variables, hook):
+                    setattr(self, hook, getattr(adapter.variables, hook))
+        for primitive in ("value_and_pullback", "value_and_pushforward", "value_and_batched_pullback",
+                          "value_and_batched_pushforward"):
+            if _overrides(adapter, primitive):
+                setattr(self, f"flat_{primitive}", getattr(adapter, primitive))
+        if _overrides(adapter, "custom_function"):
+            self.custom_function = adapter.custom_function  # type: ignore[method-assign]
+        if _overrides(adapter, "direct_prepared"):
+            self.direct_prepared = adapter.direct_prepared  # type: ignore[method-assign]
+        super().__init__(device=canonical, chunk_size=chunk_size, **options)
+        for operator, method in adapter.fast_routes.items():
+            if operator not in FAST_ROUTES:
+                raise InvalidArgumentError(
+                    f"{adapter_class.__name__}.fast_routes names {operator!r}, which has no fast route; "
+                    f"operators with one: {', '.join(FAST_ROUTES)}"
+                )
+            if self.chunk_size is not None and operator in _JACOBIAN_ROUTES:
+                continue  # the core's chunks of batched primitive calls
+            setattr(self, f"flat_{operator}", getattr(adapter, method))
+
+    def normalise_device(self, device: str | None) -> str:
+        return parse_device(device, self.devices(), self.name)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names the backend does not have: the adapter's own attributes
+        if name.startswith("__") or name == "adapter":
+            raise AttributeError(name)
+        return getattr(self.__dict__["adapter"] if "adapter" in self.__dict__ else object(), name)
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"backend({self.name!r}, {opts})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, AdapterBackend) and type(other.adapter) is type(self.adapter)
+                and other.options == self.options)
+
+    def __hash__(self) -> int:
+        return hash(self.cache_key)
+
+    @property
+    def cache_key(self) -> tuple:
+        key = self.__dict__.get("_cache_key")
+        if key is None:
+            key = (type(self.adapter), tuple(sorted((k, type(v).__name__, repr(v)) for k, v in self.options.items())))
+            self.__dict__["_cache_key"] = key
+        return key
+
+    @property
+    def has_reverse(self) -> bool:
+        return _overrides(self.adapter, "value_and_pullback")
+
+    @property
+    def has_forward(self) -> bool:
+        return _overrides(self.adapter, "value_and_pushforward")
+
+    @property
+    def has_custom_function(self) -> bool:
+        return _overrides(self.adapter, "custom_function")
+
+    @property
+    def has_implicit_route(self) -> bool:
+        variables = self.adapter.variables
+        return variables is not None and hasattr(variables, "implicit_value_and_gradient")
+
+
+hold_adapters_in(AdapterBackend)

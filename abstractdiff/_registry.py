@@ -8,6 +8,7 @@ to find out whether it is there).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ._hooks import AdapterHooks
+from .protocol import Adapter
 
 if TYPE_CHECKING:  # annotations only: the backend module imports this one
     from ._backend import Backend
@@ -50,7 +52,7 @@ class _Entry:
 # which library.  Everything else about a library is a hook of its adapter class.
 _BUILTIN: dict[str, _Entry] = {
     "finite_differences": _Entry("abstractdiff.adapters.finite_differences:FiniteDifferencesBackend"),
-    "autograd": _Entry("abstractdiff.adapters.autograd:AutogradBackend", ("autograd",), "autograd"),
+    "autograd": _Entry("abstractdiff.adapters.autograd:AutogradAdapter", ("autograd",), "autograd"),
     "jax": _Entry("abstractdiff.adapters.jax:JaxBackend", ("jax", "jaxlib"), "jax"),
     "tensorflow": _Entry(
         "abstractdiff.adapters.tensorflow:TensorFlowBackend", ("tensorflow",), "tensorflow",
@@ -277,6 +279,8 @@ def backend(name: str | Backend, **options: Any) -> Backend:
     if key is not None and key in _instances:
         return _instances[key]
     factory = _resolve(name, entry)
+    if isinstance(factory, type) and issubclass(factory, Adapter):  # an adapter of the protocol: held
+        factory = functools.partial(_holder(), factory)
     chunk_size = options.get("chunk_size")
     core_chunks = "chunk_size" in options and not _takes_option(factory, "chunk_size")
     if core_chunks:  # chunking is the core's: an adapter need not know the option
@@ -294,6 +298,20 @@ def backend(name: str | Backend, **options: Any) -> Backend:
             instance = _instances.setdefault(key, instance)
             _OWNERS.clear()  # a new backend may own types that were unknown so far
     return instance
+
+
+#: The core's backend class that holds an adapter of the protocol; the backend module, which
+#: imports this one, hands it over (:func:`hold_adapters_in`), so the registry imports no backend.
+_HOLDER: list[type] = []
+
+
+def hold_adapters_in(holder: type) -> None:
+    """Make ``holder(adapter_class, **options)`` the backend of every adapter of the protocol."""
+    _HOLDER[:] = [holder]
+
+
+def _holder() -> type:
+    return _HOLDER[0]  # set as abstractdiff imports (its __init__ imports the backend module first)
 
 
 def _takes_option(factory: Callable[..., Any], option: str) -> bool:
@@ -362,7 +380,7 @@ def _find_owner(obj: Any) -> Backend | None:
                 return b
     # 2. backends already created whose class declares the module (entry-point adapters)
     for b in list(_instances.values()):
-        if set(type(b).modules) & mods and owns(b, obj):
+        if set(b.modules) & mods and owns(b, obj):
             return b
     # 3. entry-point adapters of the object's library, not created yet: named after one of
     #    its modules, living in its package, or shipped by the distribution that ships it
@@ -382,7 +400,7 @@ def _find_owner(obj: Any) -> Backend | None:
             if entry.distribution not in providers:
                 continue
         b = _quiet_backend(name)
-        if b is not None and set(type(b).modules) & mods and owns(b, obj):
+        if b is not None and set(b.modules) & mods and owns(b, obj):
             return b
     return None
 

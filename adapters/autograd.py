@@ -1,8 +1,12 @@
 """HIPS autograd: reverse mode by tracing numpy code on the CPU; no compilation.
 
-autograd re-traces the function on every call (there is nothing to cache), boxes the
-list of float leaves as one container (a single leaf bare), and differentiates through
-``autograd.numpy`` ops only; backend-neutral functions reach those through ``autoray``.
+An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("autograd")``
+is the core's backend holding an :class:`AutogradAdapter`.  autograd re-traces the function on
+every call (there is nothing to cache), boxes the list of float leaves as one container (a
+single leaf bare), and differentiates through ``autograd.numpy`` ops only; backend-neutral
+functions reach those through ``autoray``.  Fast routes: the gradient (one pullback seeded
+with one, the scalar check inside the trace), autograd's own Hessian and its reverse-over-
+reverse HVP; every other operator is the core's.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from autograd.core import make_jvp, make_vjp
 from autograd.numpy.numpy_boxes import ArrayBox
 from autograd.tracer import Box
 
-from abstractdiff._backend import Backend, check_scalar, shape_of, size_of
+from abstractdiff._arrays import check_scalar, shape_of, size_of
 from abstractdiff._errors import ArgumentTypeError
+from abstractdiff.protocol import Adapter
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -54,7 +59,7 @@ class _Traced:
     still sees the outer trace's boxes.
     """
 
-    def __init__(self, backend: AutogradBackend, fn: FlatFn, data: list, n: int, scalar: str | None = None):
+    def __init__(self, backend: AutogradAdapter, fn: FlatFn, data: list, n: int, scalar: str | None = None):
         self.backend, self.fn, self.data, self.n, self.scalar = backend, fn, data, n, scalar
         self.aux: Any = None
 
@@ -113,19 +118,20 @@ def _primal(y: Any, xs: list, data: list) -> Any:
     return y
 
 
-class AutogradBackend(Backend):
+class AutogradAdapter(Adapter):
     name = "autograd"
     extra = "autograd"
     modules = ("autograd",)
+    fast_routes = {"value_and_gradient": "value_and_gradient", "hessian": "hessian", "hvp": "hvp"}
 
-    def __init__(self, *, device: str | None = None, chunk_size: int | None = None, **options: Any):
+    def __init__(self, *, device: str = "cpu", **options: Any):
         if options:
             raise ArgumentTypeError(
                 f"autograd backend got unexpected option(s) {', '.join(map(repr, options))}; its only "
                 f"options are device='cpu' and chunk_size (autograd runs eagerly on the CPU: there is "
                 f"nothing to compile)"
             )
-        super().__init__(device=device, chunk_size=chunk_size)
+        super().__init__(device=device)
         #: Python executions of ``f`` under autograd tracing (autograd traces every call).
         self.trace_count = 0
 
@@ -164,7 +170,7 @@ class AutogradBackend(Backend):
         vjp, y = _run(lambda: make_vjp(traced, _packed(xs)))
         return _primal(y, xs, data), traced.aux, vjp
 
-    def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
+    def value_and_pullback(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):
         y, aux, vjp = self._trace_reverse(fn, xs, data, scalar)
 
         def pullback(dy: Any) -> list:
@@ -173,7 +179,7 @@ class AutogradBackend(Backend):
 
         return y, aux, pullback
 
-    def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list):
+    def value_and_pushforward(self, fn: FlatFn, xs: list, data: list):
         # autograd's forward mode re-runs f for each tangent, so the value comes from a
         # plain call.  Some primitives (numpy.linalg) have no JVP rule: for them the
         # tangent is a reverse-of-reverse product (vjp is linear in its cotangent, so
@@ -196,18 +202,17 @@ class AutogradBackend(Backend):
 
         return y, aux, pushforward
 
-    # ------------------------------------------------------ fast overrides
-    def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list):
+    # ------------------------------------------------------------ fast routes
+    def value_and_gradient(self, fn: FlatFn, xs: list, data: list):
         # The scalar check runs inside the trace, before autograd's own (a TypeError).
-        y, aux, vjp = self.flat_value_and_pullback(fn, xs, data, scalar="gradient")
+        y, aux, vjp = self.value_and_pullback(fn, xs, data, scalar="gradient")
         return y, aux, vjp(np.ones((), dtype=y.dtype))
 
-    # flat_jacobian is the core's: chunks of chunk_size basis rows, one batched pullback each
-    # (autograd has no vmap, so a batch is a loop of vjps of one trace, as autograd.jacobian's)
+    # the Jacobian is the core's: chunks of chunk_size basis rows, one batched pullback each
+    # (autograd has no vmap, so a batch is a loop of vjps of one trace, as autograd.jacobian's);
+    # with chunk_size set, so is the Hessian (autograd.hessian has no chunks)
 
-    def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
-        if self.chunk_size is not None:  # autograd.hessian has no chunks: the core's, of the gradient
-            return super().flat_hessian(fn, xs, data)
+    def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         (x,) = xs
         traced = _Traced(self, fn, data, 1, scalar="hessian")
         if size_of(x) == 0:  # autograd.hessian stacks no rows and fails; an empty x's Hessian is known
@@ -216,7 +221,7 @@ class AutogradBackend(Backend):
         h = _run(lambda: autograd.hessian(traced)(x))
         return _cast(h, x)
 
-    def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+    def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # make_hvp: the vjp of the gradient (reverse-over-reverse); H is symmetric.
         traced = _Traced(self, fn, data, len(xs), scalar="hvp")
         hvp, _ = _run(lambda: autograd.make_hvp(traced)(_packed(xs)))

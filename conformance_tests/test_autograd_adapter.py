@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("autograd")
 
 import autoray  # noqa: E402
-from abstractdiff.adapters.autograd import AutogradBackend  # noqa: E402
+from abstractdiff.adapters.autograd import AutogradAdapter  # noqa: E402
 from autograd.numpy.numpy_boxes import ArrayBox  # noqa: E402
 from autoray import numpy as anp  # noqa: E402
 
@@ -28,7 +28,7 @@ FD_RTOL = {
 
 
 @pytest.fixture(scope="module")
-def b() -> AutogradBackend:
+def b() -> ad.Backend:
     return ad.backend("autograd")
 
 
@@ -428,7 +428,10 @@ def test_arrays_and_is_native(b):
 
 def test_registry_and_options():
     b = ad.backend("autograd")
-    assert isinstance(b, AutogradBackend) and b.name == "autograd" and b.extra == "autograd"
+    # the core's backend holding the adapter: not a subclass of ad.Backend itself
+    assert isinstance(b, ad.Backend) and isinstance(b.adapter, AutogradAdapter)
+    assert not issubclass(AutogradAdapter, ad.Backend)
+    assert b.name == "autograd" and b.extra == "autograd"
     assert b.devices() == ["cpu"] and b.device == "cpu"
     assert ad.backend("autograd", device="cpu").options == {"device": "cpu"}
     with pytest.raises(TypeError, match="nothing to compile"):

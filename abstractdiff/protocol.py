@@ -1,0 +1,197 @@
+"""The adapter protocol: what one AD library tells the core, and nothing else.
+
+DifferentiationInterface.jl's design: a backend is the core's object and *holds* an
+adapter (``ad.backend("autograd")`` is an :class:`abstractdiff.Backend` holding an
+``AutogradAdapter``); the core derives every operator from the adapter's primitives and
+owns chunking, caching, preparation, pytrees and checks.  An adapter states facts about its
+library:
+
+* who it is: :attr:`Adapter.name`, :attr:`~Adapter.extra`, :attr:`~Adapter.modules`,
+  :attr:`~Adapter.approximate`, :attr:`~Adapter.reuses_traces`;
+* its primitives, on flat leaf lists (``docs/guide/adapters.md``): :meth:`~Adapter.value_and_pullback`
+  and/or :meth:`~Adapter.value_and_pushforward`, and optionally their batched forms, which
+  take a batch of cotangents or tangents at once, so that the core's chunks cost one call each;
+* its fast routes, one mapping (:attr:`~Adapter.fast_routes`) from an operator to the name of
+  a method with the signature of the core's own derivation of it, for the operators its
+  library does faster (DI's ``prepare_X``/``X(prep)`` pairs); an adapter listing none gets
+  every operator derived, and correct;
+* its arrays (conversions), its devices, its pytree registry, and optionally the
+  custom-derivative hook (:meth:`~Adapter.custom_function`), a compile step
+  (:meth:`~Adapter.direct_prepared`) and variable hooks (:attr:`~Adapter.variables`, for
+  libraries with mutable state).
+
+Every default is numpy's, so an adapter writes only where its library differs.  This
+module imports no other module of abstractdiff.  Adapters written against the older design,
+subclasses of ``ad.Backend`` overriding its hooks, keep working (the adapter guide's
+migration note).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Adapter", "FAST_ROUTES", "FlatFn"]
+
+#: ``fn(xs, data) -> (y, aux)``: the user's function on flat leaf lists (``xs`` differentiated).
+FlatFn = Callable[[list, list], tuple]
+
+#: The operators an adapter may give a fast route, with the signature its method must have
+#: (the core's derivation of the same operator, which it replaces).  The ``prepare_`` forms
+#: return a ``run`` closure the core calls once per call; the others are called per call.
+FAST_ROUTES: dict[str, str] = {
+    "prepare_value_and_gradient": "(fn, xs, data) -> run(xs, data) -> (y, aux, grads)",
+    "prepare_jacobian": "(fn, xs, data) -> run(xs, data) -> (y, jacobians)",
+    "prepare_hvp": "(fn, xs, data) -> run(xs, data, tangents) -> hvps",
+    "value_and_gradient": "(fn, xs, data) -> (y, aux, grads)",
+    "jacobian": "(fn, xs, data) -> (y, jacobians)",
+    "hessian": "(fn, [x], data) -> H",
+    "hvp": "(fn, xs, data, tangents) -> hvps",
+    "hessian_blocks": "(fn, xs, data) -> [[H_ij]]",
+    "value_gradient_and_hessian": "(fn, xs, data) -> (y, grads, [[H_ij]])",
+    "gradient_and_hvp": "(fn, xs, data, tangents) -> (grads, hvps)",
+    "value_and_derivative": "(fn, [x], data) -> (y, dy/dx)",
+    "second_derivative": "(fn, [x], data) -> d2y/dx2",
+    "value_derivative_and_second_derivative": "(fn, [x], data) -> (y, dy/dx, d2y/dx2)",
+}
+
+
+class Adapter:
+    """One AD library, as the core sees it: the base class of every built-in adapter.
+
+    ``Adapter(*, device="cpu", **options)``: ``device`` is the canonical name the core chose
+    from :meth:`devices` (``"cpu"``, ``"cuda:0"``); ``options`` are the adapter's own (such as
+    ``compile``), kept in :attr:`options`.  The core's options (``chunk_size``) are not
+    passed: the backend holding the adapter owns them.  A subclass overrides ``__init__`` to
+    check its options (raise ``ad.ArgumentTypeError`` for an unknown one) and calls
+    ``super().__init__``.
+    """
+
+    #: Registry name ("torch", "jax"...).
+    name: ClassVar[str] = "adapter"
+    #: The pip extra that installs the library, for error messages.
+    extra: ClassVar[str | None] = None
+    #: Top-level modules whose arrays, variables and models this adapter handles.
+    modules: ClassVar[tuple[str, ...]] = ()
+    #: Whether derivatives are approximations: one bool, or one per order from the first.
+    approximate: ClassVar[bool | tuple[bool, ...]] = False
+    #: Whether the library traces ``f`` once and reuses the trace (``jit``): the core then
+    #: keys its plans on the values ``f`` reads by closure or global.
+    reuses_traces: ClassVar[bool] = False
+    #: Operator -> name of the method that computes it faster than the core's derivation
+    #: (signatures in :data:`FAST_ROUTES`).  Jacobian-building routes are taken only when the
+    #: backend's ``chunk_size`` is None: chunking is the core's.
+    fast_routes: ClassVar[Mapping[str, str]] = {}
+    #: The variable hooks of a library with mutable variables (an object with the methods of
+    #: the adapter guide's "Variables" table), or None: ``ad.Variable`` boxes.
+    variables: Any = None
+
+    def __init__(self, *, device: str = "cpu", **options: Any):
+        self.device = device
+        self.options = options
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in {"device": self.device, **self.options}.items())
+        return f"{type(self).__name__}({opts})"
+
+    # ------------------------------------------------------------- primitives
+    def value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable[[Any], list]]:
+        """Reverse mode: ``(y, aux, vjp)`` with ``vjp(dy) -> list of dx`` (``None``: zeros)."""
+        raise NotImplementedError
+
+    def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable[[list], Any]]:
+        """Forward mode: ``(y, aux, jvp)`` with ``jvp(list of dx) -> dy``."""
+        raise NotImplementedError
+
+    def value_and_batched_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        """Optional: ``(y, aux, vjps)`` with ``vjps(dys)`` for a stack of cotangents (leading
+        axis), returning stacked ``dx``; without it the core loops over the primitive."""
+        raise NotImplementedError
+
+    def value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        """Optional: ``(y, aux, jvps)`` with ``jvps(list of stacked dx)`` -> stacked ``dy``."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- arrays
+    def is_native(self, a: Any) -> bool:
+        """Whether ``a`` is this library's array type (traced values included)."""
+        return isinstance(a, np.ndarray)
+
+    def from_numpy(self, a: np.ndarray) -> Any:
+        """A numpy array as a native array on ``self.device``, dtype unchanged."""
+        return a
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """A native array (or variable) as numpy, outside any autodiff graph."""
+        return np.asarray(a)
+
+    def cast(self, a: Any, dtype: str) -> Any:
+        """Native ``a`` in dtype ``dtype`` (a name such as ``"float32"``)."""
+        import autoray
+
+        return autoray.do("astype", a, dtype)
+
+    def zeros_like(self, a: Any) -> Any:
+        import autoray
+
+        return autoray.do("zeros_like", a)
+
+    def ones_like(self, a: Any) -> Any:
+        import autoray
+
+        return autoray.do("ones_like", a)
+
+    def asarray_like(self, a: np.ndarray, like: Any) -> Any:
+        """Numpy ``a`` on the device of native ``like`` (checkpoints restore through it)."""
+        return self.from_numpy(a)
+
+    def snapshot(self, a: Any) -> Any:
+        """``a`` safe from later in-place writes to the caller's memory (immutable arrays: itself)."""
+        return a.copy() if isinstance(a, np.ndarray) else a
+
+    def scope(self, arrays: Sequence[Any]) -> ContextManager[Any]:
+        """A context for arithmetic on ``arrays`` outside the operators (jax's x64 mode)."""
+        return contextlib.nullcontext()
+
+    def from_dlpack(self, a: Any) -> Any:
+        """``a`` (numpy, or any array exporting ``__dlpack__``) as a native array, sharing its
+        memory where the library imports it by DLPack (how a composed kernel receives input)."""
+        if not isinstance(a, np.ndarray):
+            try:
+                a = np.from_dlpack(a)
+            except (AttributeError, BufferError, RuntimeError, TypeError):
+                a = np.asarray(a)
+        return self.from_numpy(a)
+
+    def numpy_view(self, a: Any) -> np.ndarray:
+        """Native ``a`` as numpy sharing its memory where the library allows it."""
+        return self.to_numpy(a)
+
+    # ---------------------------------------------------------------- devices
+    def devices(self) -> list[str]:
+        """The devices present here in canonical names, ``"cpu"`` first (``"cuda:N"``...)."""
+        return ["cpu"]
+
+    # ---------------------------------------------------------------- pytrees
+    def is_pytree_node(self, obj: Any) -> bool:
+        """Whether ``obj`` is a container of the library's own pytree registry."""
+        return False
+
+    # --------------------------------------------------- custom derivatives
+    def custom_function(
+        self,
+        value: Callable[..., np.ndarray],
+        vjps: Sequence[Callable[..., Any]],
+        jvps: Sequence[Callable[..., Any]],
+        out: tuple[int, str],
+    ) -> Callable[..., Any]:
+        """Optional: the library's own custom-derivative mechanism (see the adapter guide and
+        :meth:`abstractdiff._hooks.AdapterHooks.custom_function`)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- compile
+    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
+        """Optional compile step: a prepared operator's whole call compiled by the library, or None."""
+        return None
