@@ -422,10 +422,10 @@ class AdapterBackend(Backend):
     def __init__(self, adapter_class: type, *, device: str | None = None, chunk_size: int | None = None,
                  **options: Any):
         probe = adapter_class.__new__(adapter_class)  # devices() before the adapter exists: its class's
-        for trait in ("name", "extra", "modules", "approximate", "reuses_traces"):
-            setattr(self, trait, getattr(adapter_class, trait))
         canonical = parse_device(device, probe.devices(), adapter_class.name)
         self.adapter = adapter = adapter_class(device=canonical, **options)
+        for trait in ("name", "extra", "modules", "approximate", "reuses_traces"):
+            setattr(self, trait, getattr(adapter, trait))  # of the instance: one may follow an option
         adapter.backend = self  # the core's services the adapter calls (complete, artefacts' keys)
         for hook in _ADAPTER_HOOKS:
             setattr(self, hook, getattr(adapter, hook))
@@ -441,7 +441,10 @@ class AdapterBackend(Backend):
             self.custom_function = adapter.custom_function  # type: ignore[method-assign]
         if _overrides(adapter, "direct_prepared"):
             self.direct_prepared = adapter.direct_prepared  # type: ignore[method-assign]
-        super().__init__(device=canonical, chunk_size=chunk_size, **options)
+        # the adapter's options as it keeps them (its defaults included): two backends of one
+        # adapter with the same settings are equal and share compiled artefacts
+        own = {k: v for k, v in adapter.options.items() if k != "device"}
+        super().__init__(device=canonical, chunk_size=chunk_size, **own)
         for operator, method in adapter.fast_routes.items():
             if operator not in FAST_ROUTES:
                 raise InvalidArgumentError(

@@ -186,8 +186,8 @@ class DerivedOperators(AdapterHooks):
         y, aux, vjp = pullback(fn, xs, data)
 
         def vjps(dys: Any) -> list:
-            rows = [self.complete(vjp(dys[i]), xs) for i in range(shape_of(dys)[0])]
-            with self.scope([dys]):
+            with self.scope([dys]):  # indexing the batch is arithmetic too (paddle's static mode)
+                rows = [self.complete(vjp(dys[i]), xs) for i in range(shape_of(dys)[0])]
                 return [ar().do("stack", [row[k] for row in rows]) for k in range(len(xs))]
 
         return y, aux, vjps
@@ -230,10 +230,12 @@ class DerivedOperators(AdapterHooks):
             return [self.asarray(np.zeros(shape_of(y) + shape_of(x), dtype=dtype_name(y))) for x in xs]  # type: ignore[attr-defined]
         width = chunks[0][1] - chunks[0][0]
         cols = []
-        for start, stop in chunks:
-            out = jvps([self._basis(x, o, start, stop, width) for x, o in zip(xs, offsets)])
-            cols.append(out[: stop - start])
-        with self.scope(cols):
+        # the slicing and joining of the chunks are arithmetic on the library's arrays: in its
+        # scope (jax's x64; paddle's dynamic mode, where a user's static mode would crash them)
+        with self.scope([y, *xs]):
+            for start, stop in chunks:
+                out = jvps([self._basis(x, o, start, stop, width) for x, o in zip(xs, offsets)])
+                cols.append(out[: stop - start])
             flat = a.do("transpose", a.do("reshape", a.do("concatenate", cols, axis=0), (sum(sizes), size_of(y))))
             return [
                 a.do("reshape", flat[:, o : o + n], shape_of(y) + shape_of(x)) for x, o, n in zip(xs, offsets, sizes)
@@ -247,11 +249,11 @@ class DerivedOperators(AdapterHooks):
             return [self.asarray(np.zeros(shape_of(y) + shape_of(x), dtype=dtype_name(x))) for x in xs]  # type: ignore[attr-defined]
         width = chunks[0][1] - chunks[0][0]
         rows: list[list] = [[] for _ in xs]
-        for start, stop in chunks:
-            dxs = self.complete_batched(vjps(self._basis(y, 0, start, stop, width)), xs, width)
-            for k, dx in enumerate(dxs):
-                rows[k].append(dx[: stop - start])
-        with self.scope([r[0] for r in rows]):
+        with self.scope([y, *xs]):  # as in forward_jacobian
+            for start, stop in chunks:
+                dxs = self.complete_batched(vjps(self._basis(y, 0, start, stop, width)), xs, width)
+                for k, dx in enumerate(dxs):
+                    rows[k].append(dx[: stop - start])
             return [
                 a.do("reshape", a.do("concatenate", r, axis=0), shape_of(y) + shape_of(x)) for r, x in zip(rows, xs)
             ]

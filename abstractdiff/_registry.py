@@ -53,15 +53,15 @@ class _Entry:
 _BUILTIN: dict[str, _Entry] = {
     "finite_differences": _Entry("abstractdiff.adapters.finite_differences:FiniteDifferencesBackend"),
     "autograd": _Entry("abstractdiff.adapters.autograd:AutogradAdapter", ("autograd",), "autograd"),
-    "jax": _Entry("abstractdiff.adapters.jax:JaxBackend", ("jax", "jaxlib"), "jax"),
+    "jax": _Entry("abstractdiff.adapters.jax:JaxAdapter", ("jax", "jaxlib"), "jax"),
     "tensorflow": _Entry(
-        "abstractdiff.adapters.tensorflow:TensorFlowBackend", ("tensorflow",), "tensorflow",
+        "abstractdiff.adapters.tensorflow:TensorFlowAdapter", ("tensorflow",), "tensorflow",
         modules=("tensorflow", "keras", "tf_keras"),
     ),
-    "torch": _Entry("abstractdiff.adapters.torch:TorchBackend", ("torch",), "torch"),
-    "mlx": _Entry("abstractdiff.adapters.mlx:MLXBackend", ("mlx",), "mlx"),
-    "paddle": _Entry("abstractdiff.adapters.paddle:PaddleBackend", ("paddle",), "paddle"),
-    "pytensor": _Entry("abstractdiff.adapters.pytensor:PyTensorBackend", ("pytensor",), "pytensor"),
+    "torch": _Entry("abstractdiff.adapters.torch:TorchAdapter", ("torch",), "torch"),
+    "mlx": _Entry("abstractdiff.adapters.mlx:MLXAdapter", ("mlx",), "mlx"),
+    "paddle": _Entry("abstractdiff.adapters.paddle:PaddleAdapter", ("paddle",), "paddle"),
+    "pytensor": _Entry("abstractdiff.adapters.pytensor:PyTensorAdapter", ("pytensor",), "pytensor"),
     "implicit": _Entry("abstractdiff._implicit_backend:Implicit"),
 }
 

@@ -43,7 +43,7 @@ FlatFn = Callable[[list, list], tuple]
 #: return a ``run`` closure the core calls once per call; the others are called per call.
 FAST_ROUTES: dict[str, str] = {
     "prepare_value_and_gradient": "(fn, xs, data) -> run(xs, data) -> (y, aux, grads)",
-    "prepare_jacobian": "(fn, xs, data) -> run(xs, data) -> (y, jacobians)",
+    "prepare_jacobian": "(fn, xs, data) -> run(xs, data) -> jacobians",
     "prepare_hvp": "(fn, xs, data) -> run(xs, data, tangents) -> hvps",
     "value_and_gradient": "(fn, xs, data) -> (y, aux, grads)",
     "jacobian": "(fn, xs, data) -> (y, jacobians)",
@@ -87,6 +87,9 @@ class Adapter:
     #: The variable hooks of a library with mutable variables (an object with the methods of
     #: the adapter guide's "Variables" table), or None: ``ad.Variable`` boxes.
     variables: Any = None
+    #: The core's backend holding this adapter, set by it: the core services an adapter calls
+    #: (``backend.complete``, the key of ``fn.artefacts(backend, ...)``, the core's derivations).
+    backend: Any = None
 
     def __init__(self, *, device: str = "cpu", **options: Any):
         self.device = device

@@ -1,5 +1,11 @@
 """JAX adapter: ``jax.vjp``/``jax.jvp`` as primitives, ``jit``-compiled and cached per flat function.
 
+An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("jax")`` is
+the core's backend holding a :class:`JaxAdapter`.  Its fast routes are jax's own transforms
+(``value_and_grad``, ``jacrev``/``jacfwd``, forward-over-reverse Hessians and HVPs, forward-
+over-forward second derivatives), each compiled once per flat function; its compile step
+(:meth:`JaxAdapter.direct_prepared`) hands a whole prepared call to jit's dispatch.
+
 Two jax habits shape this module:
 
 * x64 is off by default and float64 silently becomes float32.  The global
@@ -8,9 +14,9 @@ Two jax habits shape this module:
   float64, and the compiled variants are cached per x64 mode.
 * ``jit`` retraces for a new function object.  Compiled transforms are therefore built
   once per cached :class:`~abstractdiff._tree.FlatFunction` and kept in its typed cache
-  (``fn.artefacts(backend, operator)``, one variant per x64 mode); the differentiated
-  leaves and the data are traced arguments, so new data values of the same shapes reuse
-  the compiled code.
+  (``fn.artefacts(self.backend, operator)``, keyed on the backend holding the adapter, one
+  variant per x64 mode); the differentiated leaves and the data are traced arguments, so
+  new data values of the same shapes reuse the compiled code.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._arrays import check_scalar
 from abstractdiff._compose import ForeignKernel, boundary_error
 from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
 from abstractdiff._tree import HasArtefacts, _static_key, artefacts
+from abstractdiff.protocol import Adapter
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
 _WIDE_SET = frozenset(_WIDE)
@@ -89,15 +96,29 @@ def _second_order_error(kernel: Any) -> CompositionError:
     )
 
 
-class JaxBackend(Backend):
+class JaxAdapter(Adapter):
     name = "jax"
     extra = "jax"
     modules = ("jax", "jaxlib")
+    fast_routes = {
+        "value_and_gradient": "value_and_gradient",
+        "prepare_value_and_gradient": "prepare_value_and_gradient",
+        "prepare_jacobian": "prepare_jacobian",
+        "prepare_hvp": "prepare_hvp",
+        "jacobian": "jacobian",
+        "hessian": "hessian",
+        "hessian_blocks": "hessian_blocks",
+        "hvp": "hvp",
+        "value_gradient_and_hessian": "value_gradient_and_hessian",
+        "gradient_and_hvp": "gradient_and_hvp",
+        "value_derivative_and_second_derivative": "value_derivative_and_second_derivative",
+        "second_derivative": "second_derivative",
+    }
 
-    def __init__(self, *, device: str | None = None, compile: bool = True, chunk_size: int | None = None):
+    def __init__(self, *, device: str = "cpu", compile: bool = True):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
+        super().__init__(device=device, compile=compile)
         self.compile = compile
         self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
         self._device = self._device_object(self.device)
@@ -225,7 +246,7 @@ class JaxBackend(Backend):
         # per input signature: the non-array aux leaves set aside at trace time
         if not isinstance(fn, HasArtefacts):
             return None
-        return fn.artefacts(self, f"aux of {operator}").get("statics", dict)
+        return fn.artefacts(self.backend, f"aux of {operator}").get("statics", dict)
 
     def _aux(self, fn: Any, operator: str | None, xs: list, data: list, aux: Any) -> Any:
         if aux is None or not isinstance(fn, HasArtefacts):  # not split: see _compiled
@@ -239,7 +260,7 @@ class JaxBackend(Backend):
             return build()
         # jit caches per input shapes and dtypes itself; the x64 mode changes what a trace
         # means (float64 inputs are float32 outside it), so it is part of the variant
-        return fn.artefacts(self, operator).get(x64, lambda: jax.jit(build()) if self.compile else build())
+        return fn.artefacts(self.backend, operator).get(x64, lambda: jax.jit(build()) if self.compile else build())
 
     # ------------------------------------------------------------- primitives
     # The forward pass (jax.vjp or jax.linearize) and the application of its closure are two
@@ -252,7 +273,7 @@ class JaxBackend(Backend):
     def _linearised(self, fn: Callable, transform: Callable, xs: list, data: list, x64: bool) -> tuple:
         """``(y, aux, residuals, treedef)`` of ``transform`` (``jax.vjp`` or ``jax.linearize``)."""
         name = transform.__name__
-        trees = artefacts(fn, self, f"closure trees of {name}").get("trees", dict)
+        trees = artefacts(fn, self.backend, f"closure trees of {name}").get("trees", dict)
 
         def build() -> Callable:
             traced = self._traced(fn)
@@ -283,13 +304,13 @@ class JaxBackend(Backend):
 
         return call
 
-    def flat_value_and_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
         y, aux, residuals, treedef = self._linearised(fn, jax.vjp, xs, data, x64)
         backward = self._applied(fn, "pullback_apply", x64, residuals, treedef, lambda pb, dy: pb(dy)[0])
         return y, aux, lambda dy: list(backward(dy))
 
-    def flat_value_and_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
         y, aux, residuals, treedef = self._linearised(fn, jax.linearize, xs, data, x64)
         apply = self._applied(fn, "pushforward_apply", x64, residuals, treedef, lambda lin, ts: lin(ts))
@@ -298,7 +319,7 @@ class JaxBackend(Backend):
     # ------------------------------------------------------------- batched
     # The forward pass is the primitive's own; the batch is one jax.vmap of the linearisation
     # (or of the pullback), compiled once per batch shape.
-    def flat_value_and_batched_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_batched_pushforward(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
         y, aux, residuals, treedef = self._linearised(fn, jax.linearize, xs, data, x64)
         apply = self._applied(
@@ -306,7 +327,7 @@ class JaxBackend(Backend):
         )
         return y, aux, lambda ts: apply(list(ts))
 
-    def flat_value_and_batched_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_batched_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
         y, aux, residuals, treedef = self._linearised(fn, jax.vjp, xs, data, x64)
         backward = self._applied(
@@ -363,10 +384,10 @@ class JaxBackend(Backend):
         return function
 
     # ---------------------------------------------- fast derived operators
-    def flat_value_and_gradient(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, list]:
-        return self.flat_prepare_value_and_gradient(fn, xs, data)(xs, data)
+    def value_and_gradient(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, list]:
+        return self.prepare_value_and_gradient(fn, xs, data)(xs, data)
 
-    def flat_prepare_value_and_gradient(self, fn: Callable, xs: list, data: list) -> Callable:
+    def prepare_value_and_gradient(self, fn: Callable, xs: list, data: list) -> Callable:
         x64 = _wants_x64(xs, data)
         compiled = self._compiled(
             fn, "value_and_gradient", x64, lambda: jax.value_and_grad(self._traced(fn, "gradient"), has_aux=True)
@@ -470,9 +491,9 @@ class JaxBackend(Backend):
 
         return direct
 
-    def flat_prepare_jacobian(self, fn: Callable, xs: list, data: list) -> Callable[[list, list], list]:
-        if self.chunk_size is not None:
-            return super().flat_prepare_jacobian(fn, xs, data)
+    # The Jacobian-building routes (jacobian, prepare_jacobian, the Hessians) are taken only
+    # without chunk_size: with it they are the core's chunks of batched (vmapped) calls.
+    def prepare_jacobian(self, fn: Callable, xs: list, data: list) -> Callable[[list, list], list]:
         x64 = _wants_x64(xs, data)
 
         def build() -> Callable:
@@ -491,7 +512,7 @@ class JaxBackend(Backend):
 
         return self._direct(self._compiled(fn, "jacobian only", x64, build), x64)
 
-    def flat_prepare_hvp(self, fn: Callable, xs: list, data: list) -> Callable[[list, list, list], list]:
+    def prepare_hvp(self, fn: Callable, xs: list, data: list) -> Callable[[list, list, list], list]:
         x64 = _wants_x64(xs, data)
 
         def build() -> Callable:
@@ -502,9 +523,7 @@ class JaxBackend(Backend):
 
         return self._direct(self._compiled(fn, "hvp only", x64, build), x64)
 
-    def flat_jacobian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list]:
-        if self.chunk_size is not None:  # the core's chunks of batched (vmapped) calls
-            return super().flat_jacobian(fn, xs, data)
+    def jacobian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list]:
         x64 = _wants_x64(xs, data)
 
         def build() -> Callable:
@@ -532,16 +551,16 @@ class JaxBackend(Backend):
     # gradient and Hessian blocks (hessian, its blocks, value_gradient_and_hessian) and
     # gradient and Hessian-vector product (hvp, gradient_and_hvp).  Each is one forward-
     # over-reverse pass whose primal outputs come free, so one trace serves all of them.
-    def flat_hessian(self, fn: Callable, xs: list, data: list) -> Any:
-        return self.flat_value_gradient_and_hessian(fn, xs, data)[2][0][0]
+    def hessian(self, fn: Callable, xs: list, data: list) -> Any:
+        return self.value_gradient_and_hessian(fn, xs, data)[2][0][0]
 
-    def flat_hessian_blocks(self, fn: Callable, xs: list, data: list) -> list[list[Any]]:
-        return self.flat_value_gradient_and_hessian(fn, xs, data)[2]
+    def hessian_blocks(self, fn: Callable, xs: list, data: list) -> list[list[Any]]:
+        return self.value_gradient_and_hessian(fn, xs, data)[2]
 
-    def flat_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> list:
-        return self.flat_gradient_and_hvp(fn, xs, data, tangents)[1]
+    def hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> list:
+        return self.gradient_and_hvp(fn, xs, data, tangents)[1]
 
-    def flat_value_gradient_and_hessian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list, list]:
+    def value_gradient_and_hessian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list, list]:
         # the value and gradient ride along as aux of jacfwd(value_and_grad): jax.hessian's route
         x64 = _wants_x64(xs, data)
 
@@ -563,7 +582,7 @@ class JaxBackend(Backend):
             y, g, h = compiled(list(xs), data)
         return y, list(g), [list(row) for row in h]
 
-    def flat_gradient_and_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> tuple[list, list]:
+    def gradient_and_hvp(self, fn: Callable, xs: list, data: list, tangents: list) -> tuple[list, list]:
         # one jvp of the gradient: its primal output is the gradient
         x64 = _wants_x64(xs, data)
 
@@ -577,7 +596,7 @@ class JaxBackend(Backend):
             g, hv = compiled(list(xs), data, list(tangents))
         return list(g), list(hv)
 
-    def flat_value_derivative_and_second_derivative(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Any]:
+    def value_derivative_and_second_derivative(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Any]:
         # forward over forward in one compiled call: the inner jvp's primal and tangent are y and dy/dx
         x64 = _wants_x64(xs, data)
 
@@ -599,5 +618,5 @@ class JaxBackend(Backend):
         with self._scope(x64):
             return compiled(xs[0], data)
 
-    def flat_second_derivative(self, fn: Callable, xs: list, data: list) -> Any:
-        return self.flat_value_derivative_and_second_derivative(fn, xs, data)[2]
+    def second_derivative(self, fn: Callable, xs: list, data: list) -> Any:
+        return self.value_derivative_and_second_derivative(fn, xs, data)[2]

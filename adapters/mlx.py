@@ -1,6 +1,11 @@
 """MLX: ``mx.vjp``/``mx.jvp`` as primitives, ``mx.value_and_grad`` and ``mx.vmap`` as native
 routes, and ``mx.compile`` as the compiled one (``compile=True``), cached per flat function.
 
+An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("mlx")`` is
+the core's backend holding an :class:`MLXAdapter`.  Fast routes: the gradient and its prepared
+form (``mx.value_and_grad``), the Jacobian and the Hessian (one ``mx.vmap`` over a basis) and
+the HVP; variables: the arrays of ``mlx.nn`` modules (:class:`_Variables`).
+
 Five MLX habits shape this module:
 
 * MLX is lazy: an operation builds a graph and computes nothing until ``mx.eval`` (or a
@@ -57,8 +62,9 @@ import numpy as np
 import optree
 from mlx.utils import tree_flatten
 
-from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._arrays import check_scalar
 from abstractdiff._cache import WeakLRU
+from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import (
     ArgumentTypeError,
     CollectedError,
@@ -70,6 +76,7 @@ from abstractdiff._errors import (
 )
 from abstractdiff._tree import HasArtefacts, artefacts, check_output, split_aux
 from abstractdiff.portable.mlx import _one
+from abstractdiff.protocol import Adapter
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -350,21 +357,21 @@ def _write(var: MLXParameter, value: Any) -> None:
 class _Traced:
     """``fn`` as MLX's transforms take it: arrays in, arrays out.
 
-    Counts its executions (``backend.trace_count``), converts ``y`` to an MLX array,
+    Counts its executions (the adapter's ``trace_count``), converts ``y`` to an MLX array,
     checks it is a scalar where the operator needs one (before MLX's own message about
     cotangent shapes), and sets aside the leaves of ``aux`` that are not MLX arrays (ints,
     strings, numpy constants: ``mx.compile`` returns arrays only), per input signature,
     for :meth:`aux` to put back: aux comes back unchanged.
     """
 
-    def __init__(self, backend: MLXBackend, fn: FlatFn, operator: str | None = None):
-        self.backend, self.fn, self.operator = backend, fn, operator
+    def __init__(self, adapter: MLXAdapter, fn: FlatFn, operator: str | None = None):
+        self.adapter, self.fn, self.operator = adapter, fn, operator
         self.statics: dict[tuple, tuple] = {}
 
     def __call__(self, xs: list, data: list) -> tuple[Any, list]:
-        self.backend.trace_count += 1
+        self.adapter.trace_count += 1
         y, aux = self.fn(list(xs), list(data))
-        y = self.backend._output(y)
+        y = self.adapter._output(y)
         if self.operator is not None:
             check_scalar(y, self.operator)
         if aux is None:
@@ -389,23 +396,136 @@ class _Traced:
         return optree.tree_unflatten(treedef, [next(it) if d else v for d, v in zip(dynamic, static)])
 
 
-class MLXBackend(Backend):
+class _Variables:
+    """The variable hooks (the adapter's ``variables``): :class:`MLXParameter`, the arrays
+    of ``mlx.nn`` modules, differentiated natively and eagerly (the module docstring)."""
+
+    def __init__(self, adapter: MLXAdapter):
+        self.adapter = adapter  # its scope, errors, trace count, and its backend (the holder)
+
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, MLXParameter)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        if not mx.issubdtype(v.dtype, mx.floating):
+            raise NonDifferentiableInputError(
+                f"{where} is an MLX parameter of dtype {v.dtype}; only float arrays can be parameters"
+            )
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        if not isinstance(obj, nn.Module):
+            return None
+        found = module_parameters(obj)
+        trainable = [p for _, p, t in found if t]
+        return trainable, len(found) - len(trainable)
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # every array of the module, frozen ones too, with MLX's dotted names
+        return [(name, p) for name, p, _ in module_parameters(obj)] if isinstance(obj, nn.Module) else None
+
+    def read(self, var: Any) -> Any:
+        return var._get()
+
+    def write(self, var: Any, value: Any) -> None:
+        _write(var, value)
+
+    def current_value(self, var: Any) -> Any:
+        return var._get()
+
+    def new_variable(self, value: Any) -> Any:
+        from abstractdiff._implicit import Variable
+
+        # MLX has no variables of its own: a box, holding a new array object (see snapshot)
+        return Variable(mx.array(value))
+
+    def swap(self, var: Any, value: Any) -> Any:
+        return var._set(value)
+
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        value, values, args = self._implicit_value(f, variables, args, has_aux, "gradient")
+        with self.adapter._scope():
+            try:
+                (y, aux), grads = mx.value_and_grad(value)(values)
+            except ValueError as err:
+                raise self.adapter._library_error(err) from err
+            _evaluated(y, aux, grads, values)
+        return y, aux, grads
+
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        value, values, args = self._implicit_value(f, variables, args, False, None)
+        with self.adapter._scope():
+            y, _ = value(values)
+            _evaluated(y, values)
+
+        def vjp(dy: Any) -> list:
+            dy = self.adapter.backend.cotangent(dy, y)  # the core's check
+            with self.adapter._scope():
+                try:
+                    grads = mx.vjp(lambda *vs: value(list(vs))[0], values, [dy])[1]
+                except ValueError as err:
+                    raise self.adapter._library_error(err) from err
+                _evaluated(grads)
+            return grads
+
+        return y, vjp
+
+    def _implicit_value(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool,
+                        operator: str | None) -> tuple[Callable, list, tuple]:
+        """``values -> (y, aux)``: ``f(*args)`` with ``values`` swapped into the variables."""
+        values = [v._get() for v in variables]
+        args = self._fit_data(values, args)
+
+        def value(traced: list) -> tuple[Any, Any]:
+            self.adapter.trace_count += 1
+            old = [v._set(t) for v, t in zip(variables, traced)]
+            try:
+                y, aux = split_aux(f(*args), has_aux)
+            finally:
+                for v, o in zip(reversed(variables), reversed(old)):
+                    v._set(o)
+            y = self.adapter._output(check_output(y, traced))
+            if operator is not None:
+                check_scalar(y, operator)
+            return y, aux
+
+        return value, values, args
+
+    @staticmethod
+    def _fit_data(values: list, args: tuple) -> tuple:
+        # float data in the parameters' float dtype (as the torch adapter does): a float64
+        # batch would otherwise promote a float32 model's loss to float64
+        dtype = values[0].dtype
+
+        def fit(a: Any) -> Any:
+            if isinstance(a, mx.array) and a.dtype != dtype and mx.issubdtype(a.dtype, mx.floating):
+                return a.astype(dtype)
+            return a
+
+        return optree.tree_map(fit, args) if args else args
+
+
+class MLXAdapter(Adapter):
     name = "mlx"
     extra = "mlx"
     modules = ("mlx",)
+    fast_routes = {
+        "value_and_gradient": "value_and_gradient", "prepare_value_and_gradient": "prepare_value_and_gradient",
+        "jacobian": "jacobian", "hessian": "hessian", "hvp": "hvp",
+    }
 
-    def __init__(self, *, device: str | None = None, compile: bool = False, chunk_size: int | None = None):
+    def __init__(self, *, device: str = "cpu", compile: bool = False):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
+        super().__init__(device=device, compile=compile)
         self.compile = compile
-        self.reuses_traces = compile  # a compiled trace freezes what f reads (see AdapterHooks)
+        self.reuses_traces = compile  # a compiled trace freezes what f reads (see Adapter.reuses_traces)
         # a canonical name (devices()) as MLX's device: "cuda:N" and "mps:0" are both GPU N of mx.gpu
         kind, _, index = self.device.partition(":")
         self.mx_device = mx.Device(mx.cpu) if kind == "cpu" else mx.Device(mx.gpu, int(index))
         #: Python executions of user functions under this backend's transforms; a compiled
         #: call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
+        self.variables = _Variables(self)
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -492,107 +612,6 @@ class MLXBackend(Backend):
         op.jvp(jvp)
         return op
 
-    # --------------------------------------------------------------- variables
-    def is_variable(self, v: Any) -> bool:
-        return isinstance(v, MLXParameter)
-
-    def check_variable(self, v: Any, where: str) -> None:
-        if not mx.issubdtype(v.dtype, mx.floating):
-            raise NonDifferentiableInputError(
-                f"{where} is an MLX parameter of dtype {v.dtype}; only float arrays can be parameters"
-            )
-
-    def model_variables(self, obj: Any) -> tuple[list, int] | None:
-        if not isinstance(obj, nn.Module):
-            return None
-        found = module_parameters(obj)
-        trainable = [p for _, p, t in found if t]
-        return trainable, len(found) - len(trainable)
-
-    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
-        # every array of the module, frozen ones too, with MLX's dotted names
-        return [(name, p) for name, p, _ in module_parameters(obj)] if isinstance(obj, nn.Module) else None
-
-    def read(self, var: Any) -> Any:
-        return var._get()
-
-    def write(self, var: Any, value: Any) -> None:
-        _write(var, value)
-
-    def current_value(self, var: Any) -> Any:
-        return var._get()
-
-    def new_variable(self, value: Any) -> Any:
-        from abstractdiff._implicit import Variable
-
-        # MLX has no variables of its own: a box, holding a new array object (see snapshot)
-        return Variable(mx.array(value))
-
-    def swap(self, var: Any, value: Any) -> Any:
-        return var._set(value)
-
-    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
-        value, values, args = self._implicit_value(f, variables, args, has_aux, "gradient")
-        with self._scope():
-            try:
-                (y, aux), grads = mx.value_and_grad(value)(values)
-            except ValueError as err:
-                raise self._library_error(err) from err
-            _evaluated(y, aux, grads, values)
-        return y, aux, grads
-
-    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
-        value, values, args = self._implicit_value(f, variables, args, False, None)
-        with self._scope():
-            y, _ = value(values)
-            _evaluated(y, values)
-
-        def vjp(dy: Any) -> list:
-            dy = self.cotangent(dy, y)
-            with self._scope():
-                try:
-                    grads = mx.vjp(lambda *vs: value(list(vs))[0], values, [dy])[1]
-                except ValueError as err:
-                    raise self._library_error(err) from err
-                _evaluated(grads)
-            return grads
-
-        return y, vjp
-
-    def _implicit_value(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool,
-                        operator: str | None) -> tuple[Callable, list, tuple]:
-        """``values -> (y, aux)``: ``f(*args)`` with ``values`` swapped into the variables."""
-        values = [v._get() for v in variables]
-        args = self._fit_data(values, args)
-
-        def value(traced: list) -> tuple[Any, Any]:
-            self.trace_count += 1
-            old = [v._set(t) for v, t in zip(variables, traced)]
-            try:
-                y, aux = split_aux(f(*args), has_aux)
-            finally:
-                for v, o in zip(reversed(variables), reversed(old)):
-                    v._set(o)
-            y = self._output(check_output(y, traced))
-            if operator is not None:
-                check_scalar(y, operator)
-            return y, aux
-
-        return value, values, args
-
-    @staticmethod
-    def _fit_data(values: list, args: tuple) -> tuple:
-        # float data in the parameters' float dtype (as the torch adapter does): a float64
-        # batch would otherwise promote a float32 model's loss to float64
-        dtype = values[0].dtype
-
-        def fit(a: Any) -> Any:
-            if isinstance(a, mx.array) and a.dtype != dtype and mx.issubdtype(a.dtype, mx.floating):
-                return a.astype(dtype)
-            return a
-
-        return optree.tree_map(fit, args) if args else args
-
     # ------------------------------------------------------------ compilation
     def _library_error(self, err: ValueError) -> Exception:
         """Our error for MLX's refusal to evaluate a traced value or to differentiate a
@@ -628,7 +647,7 @@ class MLXBackend(Backend):
 
         # mx.compile retraces per input shapes and dtypes itself; the device is an option of
         # the backend (part of the store's key) and is baked into the trace
-        return fn.artefacts(self, operator).get("mx.compile", make)
+        return fn.artefacts(self.backend, operator).get("mx.compile", make)
 
     def _call(self, call: Callable, *args: Any) -> Any:
         with self._scope():
@@ -642,7 +661,7 @@ class MLXBackend(Backend):
         """``build(traced, reverse)``'s function called on ``args``: the forward-mode route,
         or its reverse-mode twin where MLX lacks a JVP rule (cumprod, scatter: the
         derivatives of prod and of indexing), remembered per flat function."""
-        route = artefacts(fn, self, f"{operator}: route")
+        route = artefacts(fn, self.backend, f"{operator}: route")
         if route.peek("reverse") is None:
             call, _ = self._compiled(fn, operator, lambda traced: build(traced, False))
             try:
@@ -655,7 +674,7 @@ class MLXBackend(Backend):
         return self._call(call, *args)
 
     # ------------------------------------------------------------- primitives
-    def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         forward, traced = self._compiled(fn, "value", lambda traced: traced)
         backward, _ = self._compiled(fn, "vjp", _vjp)
         y, aux = self._call(forward, xs, data)
@@ -670,7 +689,7 @@ class MLXBackend(Backend):
 
         return y, traced.aux(xs, data, aux), vjp
 
-    def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         forward, traced = self._compiled(fn, "value", lambda traced: traced)
         y, aux = self._call(forward, xs, data)
         _evaluated(y, aux, xs, data)
@@ -687,10 +706,10 @@ class MLXBackend(Backend):
         return y, traced.aux(xs, data, aux), jvp
 
     # ---------------------------------------------- fast derived operators
-    def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
-        return self.flat_prepare_value_and_gradient(fn, xs, data)(xs, data)
+    def value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
+        return self.prepare_value_and_gradient(fn, xs, data)(xs, data)
 
-    def flat_prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable:
+    def prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable:
         if any(x.size == 0 for x in xs):  # a prepared operator is called with these shapes only
             return lambda xs, data: self._value_and_gradient_past_empty(fn, xs, data)
         compiled, traced = self._compiled(fn, "gradient", mx.value_and_grad)
@@ -746,32 +765,30 @@ class MLXBackend(Backend):
             _evaluated(y, xs, data)
         return y
 
-    def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
+    # jacobian and hessian are taken only without chunk_size: mx.vmap over the whole basis has
+    # no chunks, the core's are chunks of pullbacks
+    def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
         if _empty(xs):
             y = self._value_of_empty(fn, xs, data, None)
             return y, [mx.zeros((*y.shape, *x.shape), y.dtype) for x in xs]
-        if self.chunk_size is not None:  # mx.vmap over the whole basis has no chunks: the core's
-            return super().flat_jacobian(fn, xs, data)
         try:
             y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
         except CompositionError:
             # f calls another library's kernel (ad.differentiate_with) where it gets no
             # concrete values (the backend's compile=True): the core's route, one pullback per row
-            return super().flat_jacobian(fn, xs, data)
+            return DerivedOperators.flat_jacobian(self.backend, fn, xs, data)
         _evaluated(y, jacs, xs, data)
         return y, list(jacs)
 
-    def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
+    def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         if _empty(xs):
             self._value_of_empty(fn, xs, data, "hessian")  # f's errors, a non-scalar y's
             return mx.zeros((*xs[0].shape, *xs[0].shape), xs[0].dtype)
-        if self.chunk_size is not None:  # as flat_jacobian: the core's chunks, of the gradient
-            return super().flat_hessian(fn, xs, data)
         h = self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data)
         _evaluated(h, xs, data)
         return h
 
-    def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+    def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         if _empty(xs):
             self._value_of_empty(fn, xs, data, "hvp")
             return [mx.zeros(x.shape, x.dtype) for x in xs]

@@ -1,5 +1,10 @@
 """PaddlePaddle: reverse mode with ``paddle.grad``, forward mode by the double-vjp trick.
 
+An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("paddle")``
+is the core's backend holding a :class:`PaddleAdapter`.  Its fast routes are the gradient,
+Hessian, second derivative and HVP by ``paddle.grad`` directly, and the core's Jacobian in
+dynamic mode; its variable hooks (:class:`_Variables`) take ``paddle.nn.Layer`` parameters.
+
 Reverse mode (gradient, pullback, Jacobian rows, Hessian rows, and the Hessian-vector
 product as reverse over reverse) runs ``paddle.grad`` on detached copies of the inputs
 with ``stop_gradient=False``: the caller's tensors keep their ``stop_gradient`` flag, and
@@ -31,7 +36,7 @@ detached and derivatives are built with ``create_graph=True``.
 ``full_graph=True``) once per function, input structure and static leaves, and
 differentiates the program in dynamic mode.  For float32 first-order reverse mode only:
 float64, forward mode, second order and nested use run ``f`` eagerly (see
-:meth:`PaddleBackend._forward` for why).  A function paddle cannot convert (a lambda, one
+:meth:`PaddleAdapter._forward` for why).  A function paddle cannot convert (a lambda, one
 without source) runs eagerly, with a warning.  On the CPU the program is not faster than
 dynamic mode: ``compile=False`` is the default.
 
@@ -56,7 +61,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import optree
 
-from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._arrays import check_scalar
+from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
@@ -66,6 +72,7 @@ from abstractdiff._errors import (
 )
 from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
 from abstractdiff.portable.paddle import _arrays, _fresh, _needs_grad
+from abstractdiff.protocol import Adapter
 
 
 def _import_paddle() -> types.ModuleType:
@@ -364,17 +371,127 @@ def _run_as_python_in_to_static() -> None:
     paddle.jit.ignore_module([autoray, abstractdiff, sys.modules[__name__]])
 
 
-class PaddleBackend(Backend):
+class _Variables:
+    """The variable hooks (the adapter's ``variables``): a paddle parameter is a leaf tensor
+    with stop_gradient=False (a Layer's parameters, paddle.create_parameter, or any float
+    tensor whose flag the user cleared)."""
+
+    def __init__(self, adapter: PaddleAdapter):
+        self.adapter = adapter  # its ``backend`` (the holder), set after construction, for core services
+
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, paddle.Tensor)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        # stop_gradient first: an integer tensor cannot be differentiated, so it is data
+        if v.stop_gradient:
+            raise ModeMismatchError(
+                f"{where} is a paddle tensor with stop_gradient=True (frozen, or data); set "
+                f"stop_gradient = False on it (or create it with ad.variables(tree, 'paddle'))"
+            )
+        if not v.is_leaf:
+            raise ModeMismatchError(
+                f"{where} is a paddle tensor computed from other tensors (not a leaf); parameters must "
+                f"be leaf tensors: use the tensors it was computed from, or a detached copy with "
+                f"stop_gradient = False"
+            )
+        if not v.is_floating_point():
+            raise NonDifferentiableInputError(
+                f"{where} is a paddle tensor of dtype {v.dtype}; only float tensors can be parameters"
+            )
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        if not isinstance(obj, paddle.nn.Layer):
+            return None
+        params = obj.parameters()  # shared parameters once
+        trainable = [p for p in params if not p.stop_gradient]
+        return trainable, len(params) - len(trainable)
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # parameters (frozen ones too) and buffers (BatchNorm's running statistics), with
+        # state_dict's names; paddle's state_dict holds the tensors themselves
+        return list(obj.state_dict().items()) if isinstance(obj, paddle.nn.Layer) else None
+
+    def read(self, var: Any) -> Any:
+        return var.detach()
+
+    @_dynamic
+    def write(self, var: Any, value: Any) -> None:
+        with paddle.no_grad():
+            var.set_value(value)
+
+    def current_value(self, var: Any) -> Any:
+        return var
+
+    @_dynamic
+    def new_variable(self, value: Any) -> Any:
+        return paddle.create_parameter(
+            list(value.shape), value.dtype, default_initializer=paddle.nn.initializer.Assign(value.detach())
+        )
+
+    @_operator
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        args = self._fit_to(variables, args)
+        with _recording():
+            y, aux = split_aux(f(*args), has_aux)
+            y = self.adapter._tensor(check_output(y, variables))
+            check_scalar(y)
+            grads = _grad([y], variables)
+        return y.detach(), _detached(aux), self.adapter.backend.complete(grads, variables)
+
+    @_operator
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        args = self._fit_to(variables, args)
+        with _recording():
+            y = self.adapter._tensor(check_output(f(*args), variables))
+
+        @_operator
+        def vjp(dy: Any) -> list:
+            dy = paddle.cast(self.adapter.backend.cotangent(dy, y), y.dtype)
+            with _recording():
+                grads = _grad([y], variables, [dy], retain_graph=True)
+            return self.adapter.backend.complete(grads, variables)
+
+        return y.detach(), vjp
+
+    @staticmethod
+    def _fit_to(variables: list, args: tuple) -> tuple:
+        # Data goes to the model's place and float data to the widest float dtype of the
+        # model's variables: a float64 batch for a float32 layer would fail in paddle's
+        # matmul, and the first variable's dtype would narrow the data a wider (float64)
+        # variable meets, losing its precision.
+        place = variables[0].place
+        floats = [v for v in variables if v.is_floating_point()]
+        dtype = max(floats, key=lambda v: v.element_size()).dtype if floats else None
+
+        def fit(a: Any) -> Any:
+            if not isinstance(a, paddle.Tensor):
+                return a
+            if dtype is not None and a.is_floating_point() and a.dtype != dtype:
+                a = paddle.cast(a, dtype)
+            return a if a.place == place else a.to(place)
+
+        return optree.tree_map(fit, args)
+
+
+class PaddleAdapter(Adapter):
     name = "paddle"
     extra = "paddle"
     modules = ("paddle",)
+    fast_routes = {
+        "value_and_gradient": "value_and_gradient",
+        "jacobian": "jacobian",
+        "hessian": "hessian",
+        "second_derivative": "second_derivative",
+        "hvp": "hvp",
+    }
 
-    def __init__(self, *, device: str | None = None, compile: bool = False, chunk_size: int | None = None):
+    def __init__(self, *, device: str = "cpu", compile: bool = False):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
+        super().__init__(device=device, compile=compile)
         self.compile = compile
-        self.reuses_traces = compile  # a compiled program freezes what f reads (see AdapterHooks)
+        self.reuses_traces = compile  # a compiled program freezes what f reads (see Adapter.reuses_traces)
         if compile:
             _run_as_python_in_to_static()
         # the core's canonical "cpu" or "cuda:N" as paddle's place
@@ -384,6 +501,7 @@ class PaddleBackend(Backend):
         #: test hook: a repeated call with the same function, structure, shapes, dtypes
         #: and static leaves must not add one).
         self.trace_count = 0
+        self.variables = _Variables(self)
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -463,110 +581,13 @@ class PaddleBackend(Backend):
             t.stop_gradient = False
         return t
 
-    # --------------------------------------------------------------- variables
-    # A paddle parameter is a leaf tensor with stop_gradient=False (a Layer's parameters,
-    # paddle.create_parameter, or any float tensor whose flag the user cleared).
-    def is_variable(self, v: Any) -> bool:
-        return isinstance(v, paddle.Tensor)
-
-    def check_variable(self, v: Any, where: str) -> None:
-        # stop_gradient first: an integer tensor cannot be differentiated, so it is data
-        if v.stop_gradient:
-            raise ModeMismatchError(
-                f"{where} is a paddle tensor with stop_gradient=True (frozen, or data); set "
-                f"stop_gradient = False on it (or create it with ad.variables(tree, 'paddle'))"
-            )
-        if not v.is_leaf:
-            raise ModeMismatchError(
-                f"{where} is a paddle tensor computed from other tensors (not a leaf); parameters must "
-                f"be leaf tensors: use the tensors it was computed from, or a detached copy with "
-                f"stop_gradient = False"
-            )
-        if not v.is_floating_point():
-            raise NonDifferentiableInputError(
-                f"{where} is a paddle tensor of dtype {v.dtype}; only float tensors can be parameters"
-            )
-
-    def model_variables(self, obj: Any) -> tuple[list, int] | None:
-        if not isinstance(obj, paddle.nn.Layer):
-            return None
-        params = obj.parameters()  # shared parameters once
-        trainable = [p for p in params if not p.stop_gradient]
-        return trainable, len(params) - len(trainable)
-
-    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
-        # parameters (frozen ones too) and buffers (BatchNorm's running statistics), with
-        # state_dict's names; paddle's state_dict holds the tensors themselves
-        return list(obj.state_dict().items()) if isinstance(obj, paddle.nn.Layer) else None
-
-    def read(self, var: Any) -> Any:
-        return var.detach()
-
-    @_dynamic
-    def write(self, var: Any, value: Any) -> None:
-        with paddle.no_grad():
-            var.set_value(value)
-
-    def current_value(self, var: Any) -> Any:
-        return var
-
-    @_dynamic
-    def new_variable(self, value: Any) -> Any:
-        return paddle.create_parameter(
-            list(value.shape), value.dtype, default_initializer=paddle.nn.initializer.Assign(value.detach())
-        )
-
-    @_operator
-    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
-        args = self._fit_to(variables, args)
-        with _recording():
-            y, aux = split_aux(f(*args), has_aux)
-            y = self._tensor(check_output(y, variables))
-            check_scalar(y)
-            grads = _grad([y], variables)
-        return y.detach(), _detached(aux), self.complete(grads, variables)
-
-    @_operator
-    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
-        args = self._fit_to(variables, args)
-        with _recording():
-            y = self._tensor(check_output(f(*args), variables))
-
-        @_operator
-        def vjp(dy: Any) -> list:
-            dy = paddle.cast(self.cotangent(dy, y), y.dtype)
-            with _recording():
-                grads = _grad([y], variables, [dy], retain_graph=True)
-            return self.complete(grads, variables)
-
-        return y.detach(), vjp
-
-    @staticmethod
-    def _fit_to(variables: list, args: tuple) -> tuple:
-        # Data goes to the model's place and float data to the widest float dtype of the
-        # model's variables: a float64 batch for a float32 layer would fail in paddle's
-        # matmul, and the first variable's dtype would narrow the data a wider (float64)
-        # variable meets, losing its precision.
-        place = variables[0].place
-        floats = [v for v in variables if v.is_floating_point()]
-        dtype = max(floats, key=lambda v: v.element_size()).dtype if floats else None
-
-        def fit(a: Any) -> Any:
-            if not isinstance(a, paddle.Tensor):
-                return a
-            if dtype is not None and a.is_floating_point() and a.dtype != dtype:
-                a = paddle.cast(a, dtype)
-            return a if a.place == place else a.to(place)
-
-        return optree.tree_map(fit, args)
-
     # ---------------------------------------------------------------- helpers
     def _tensor(self, y: Any) -> Any:
         """``f``'s output as a paddle tensor: a Python number (a constant) reaches here as the
         0-d array the core's check_output made of it; the core refused numpy's own values."""
         if isinstance(y, paddle.Tensor):
             return y
-        return self.asarray(np.asarray(y))
+        return self.backend.asarray(np.asarray(y))
 
     @staticmethod
     def _leaves(xs: list, data: list) -> tuple[list, bool]:
@@ -612,7 +633,7 @@ class PaddleBackend(Backend):
             return fn
         if any(a.dtype == paddle.float64 for a in (*xs, *data) if isinstance(a, paddle.Tensor)):
             return fn
-        store = fn.artefacts(self, "paddle.jit.to_static")
+        store = fn.artefacts(self.backend, "paddle.jit.to_static")
         forward = store.peek("forward")
         if forward is not None:
             return forward
@@ -707,12 +728,12 @@ class PaddleBackend(Backend):
         return vjp
 
     @_operator
-    def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         rec = self._record(fn, xs, data, compiled=True)
         return (*rec.outputs(), self._pullback(rec))
 
     @_operator
-    def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
+    def value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
         rec = self._record(fn, xs, data, compiled=True)
         check_scalar(rec.y)  # before paddle.grad, whose own message is about grad_outputs
         with _recording():
@@ -742,7 +763,7 @@ class PaddleBackend(Backend):
         def jacobian() -> list:
             if "jacobian" not in state:
                 vjp, basis = self._pullback(rec), paddle.eye(_size(y), dtype=y.dtype)
-                rows = [self.complete(vjp(basis[i].reshape(y.shape)), rec.leaves) for i in range(_size(y))]
+                rows = [self.backend.complete(vjp(basis[i].reshape(y.shape)), rec.leaves) for i in range(_size(y))]
                 state["jacobian"] = [paddle.stack([r[k].reshape([-1]) for r in rows]) for k in range(len(rec.leaves))]
             return state["jacobian"]
 
@@ -782,22 +803,22 @@ class PaddleBackend(Backend):
         return jvp
 
     @_operator
-    def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         rec = self._record(fn, xs, data)  # eagerly: a to_static program has no second derivative
-        return (*rec.outputs(), self._pushforward(rec, artefacts(fn, self, "double-vjp route")))
+        return (*rec.outputs(), self._pushforward(rec, artefacts(fn, self.backend, "double-vjp route")))
 
     # ------------------------------------------------------------ composed
     @_operator
-    def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
-        # The core's: chunks of chunk_size basis vectors, one batched pullback (or pushforward,
-        # the fewer) each; here only in dynamic mode and with paddle's errors translated.
-        return super().flat_jacobian(fn, xs, data)
+    def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
+        # The core's derivation (batched pullbacks, or pushforwards, the fewer), only in dynamic
+        # mode and with paddle's errors translated.  With chunk_size the core's chunks run
+        # unwrapped, which is enough: they compute in scope() (dynamic mode) and each
+        # primitive call translates its own errors.
+        return DerivedOperators.flat_jacobian(self.backend, fn, xs, data)
 
     @_operator
-    def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
+    def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         # the Jacobian of the gradient, row by row: one double backward per element of x
-        if self.chunk_size is not None:  # the same rows, in the core's chunks of chunk_size
-            return super().flat_hessian(fn, xs, data)
         rec = self._record(fn, xs, data)
         x, shape = xs[0], [int(d) for d in xs[0].shape]
         check_scalar(rec.y, "hessian")
@@ -812,7 +833,7 @@ class PaddleBackend(Backend):
         return paddle.stack(rows).reshape(shape + shape) if rows else paddle.zeros(shape + shape, dtype=x.dtype)
 
     @_operator
-    def flat_second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
+    def second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
         # reverse over reverse, one double backward per element of y: forward over forward
         # would need third derivatives with the double-vjp trick (paddle has no SinTripleGradNode)
         rec = self._record(fn, xs, data)
@@ -830,7 +851,7 @@ class PaddleBackend(Backend):
         return paddle.stack(out).reshape(y_shape) if out else paddle.zeros(y_shape, dtype=y.dtype)
 
     @_operator
-    def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+    def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # reverse over reverse, the gradient of <grad f, v>: forward over reverse would need
         # third derivatives with the double-vjp trick
         rec = self._record(fn, xs, data)
@@ -841,7 +862,7 @@ class PaddleBackend(Backend):
             if not terms:
                 return [paddle.zeros_like(x) for x in xs]
             hv = rec.grad([functools.reduce(lambda a, b: a + b, terms)], rec.leaves, create_graph=rec.nested)
-        return self.complete(hv, xs)
+        return self.backend.complete(hv, xs)
 
 
 def _size(a: Any) -> int:

@@ -13,7 +13,10 @@ keys its plans on them).  ``compilations`` and ``trace_count`` count the work do
 ``mode=`` picks the ``pytensor.function`` mode: ``None`` (PyTensor's configured default;
 in PyTensor 3 that is Numba: the fastest calls, seconds to compile a new graph while
 Numba's disk cache is cold) or ``"FAST_COMPILE"`` (numpy per op: compiles in tens of
-milliseconds, calls several times slower), among those in ``_MODES``.
+milliseconds, calls several times slower), among those in ``_MODES``.  An adapter of the
+protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("pytensor")`` is the core's
+backend holding a :class:`PyTensorAdapter`, whose fast routes are the compiled gradient,
+Jacobian, Hessian and HVP graphs.
 
 Runtime arrays are numpy arrays; results come back as numpy arrays of the inputs'
 dtype (a Python float constant in float32 code, ``0.1 * x``, makes PyTensor compute in
@@ -61,7 +64,7 @@ from pytensor.graph.replace import graph_replace
 from pytensor.tensor.sharedvar import TensorSharedVariable
 from pytensor.tensor.variable import TensorConstant, TensorVariable
 
-from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._arrays import check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
     CompositionError,
@@ -71,6 +74,7 @@ from abstractdiff._errors import (
     TracedControlFlowError,
 )
 from abstractdiff._tree import PlanCache, artefacts, check_output, flatten_call, split_aux
+from abstractdiff.protocol import Adapter
 
 # What PyTensor raises when Python needs a concrete value of a symbolic one: bool() (an
 # `if`), int() (an index, a range), float().
@@ -226,15 +230,19 @@ class _ImplicitCall:
         return check_output(y), aux
 
 
-class PyTensorBackend(Backend):
+class PyTensorAdapter(Adapter):
     name = "pytensor"
     extra = "pytensor"
     modules = ("pytensor",)
     # f runs once per input signature and the compiled graph is reused: what f reads by
     # closure or global is frozen in it, so the core keys plans on those values
     reuses_traces = True
+    # One symbolic graph of the whole Jacobian (Hessian); with chunk_size set the core skips
+    # those two routes and builds them from chunks of batched pullbacks or pushforwards
+    fast_routes = {"value_and_gradient": "value_and_gradient", "jacobian": "jacobian", "hessian": "hessian",
+                   "hvp": "hvp", "prepare_value_and_gradient": "prepare_value_and_gradient"}
 
-    def __init__(self, *, device: str | None = None, mode: str | None = None, chunk_size: int | None = None):
+    def __init__(self, *, device: str = "cpu", mode: str | None = None):
         if mode is not None and not isinstance(mode, str):
             raise ArgumentTypeError(f"mode must be a PyTensor mode name or None, got {mode!r}")
         if mode is not None and mode not in _MODES:
@@ -242,14 +250,14 @@ class PyTensorBackend(Backend):
                 f"mode must be None (PyTensor's configured default) or one of {', '.join(_MODES)}, got {mode!r}; "
                 f"the JAX, PYTORCH and MLX modes run another library's arrays"
             )
-        super().__init__(device=device, chunk_size=chunk_size, mode=mode)
+        super().__init__(device=device, mode=mode)
         #: The ``pytensor.function`` mode; None: PyTensor's configured default (never changed here).
         self.mode = mode
         #: Graphs compiled with ``pytensor.function`` (a repeated call of one signature adds none).
         self.compilations = 0
         #: Python executions of user functions on symbolic inputs.
         self.trace_count = 0
-        self._implicit_plans = PlanCache()
+        self.variables = _Variables(self)
 
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
@@ -283,41 +291,6 @@ class PyTensorBackend(Backend):
 
     def ones_like(self, a: Any) -> Any:
         return pt.ones_like(a) if isinstance(a, Variable) else np.ones_like(a)
-
-    # --------------------------------------------------------------- variables
-    def is_variable(self, v: Any) -> bool:
-        return isinstance(v, SharedVariable)
-
-    def check_variable(self, v: Any, where: str) -> None:
-        if not isinstance(v, TensorSharedVariable):
-            raise NonDifferentiableInputError(
-                f"{where} is a PyTensor shared variable of type {v.type}, not a tensor; only float tensor "
-                f"shared variables can be parameters"
-            )
-        if np.dtype(v.dtype).kind != "f":
-            raise NonDifferentiableInputError(
-                f"{where} is a PyTensor shared variable of dtype {v.dtype}; only float variables can be parameters"
-            )
-
-    def read(self, var: Any) -> np.ndarray:
-        return var.get_value()  # a copy (borrow=False)
-
-    def write(self, var: Any, value: Any) -> None:
-        value = np.asarray(value)
-        old = var.get_value(borrow=True)
-        if value.shape != old.shape or value.dtype != old.dtype:
-            raise ArgumentTypeError(
-                f"cannot assign a {value.dtype} array of shape {value.shape} to a PyTensor shared variable "
-                f"holding {old.dtype} of shape {old.shape}"
-            )
-        var.set_value(value)  # copied (borrow=False): the caller keeps its array
-
-    def current_value(self, var: Any) -> Any:
-        return var  # the graph reads the shared variable itself
-
-    def new_variable(self, value: Any) -> Any:
-        value = self.to_numpy(value)
-        return pytensor.shared(value.copy(), shape=value.shape)
 
     # ------------------------------------------------------------- composition
     def custom_function(
@@ -401,7 +374,7 @@ class PyTensorBackend(Backend):
         variant = _signature(arrays)
         if wrt is not None:  # the variables' identities too: the compiled graph holds them, so the ids stay theirs
             variant = (tuple(map(id, wrt)), variant)
-        compiled = artefacts(fn, self, operator).get(variant, lambda: self._compile(call, body, groups, wrt))
+        compiled = artefacts(fn, self.backend, operator).get(variant, lambda: self._compile(call, body, groups, wrt))
         return compiled(arrays)
 
     # ----------------------------------------------------------- graph bodies
@@ -459,7 +432,7 @@ class PyTensorBackend(Backend):
         return [_like(h, x.dtype) for h, x in zip(hv, wrt)], None
 
     # ------------------------------------------------------------- primitives
-    def flat_value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, Callable]:
         (y,), aux = self._run(fn, "value", self._value_body, xs, data)
 
         def vjp(dy: Any) -> list:
@@ -467,7 +440,7 @@ class PyTensorBackend(Backend):
 
         return y, aux, vjp
 
-    def flat_value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, Callable]:
         (y,), aux = self._run(fn, "value", self._value_body, xs, data)
 
         def jvp(tangents: list) -> Any:
@@ -476,52 +449,92 @@ class PyTensorBackend(Backend):
         return y, aux, jvp
 
     # ------------------------------------------------------------ fast routes
-    def flat_value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, list]:
-        return self.flat_prepare_value_and_gradient(fn, xs, data)(xs, data)
+    def value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, list]:
+        return self.prepare_value_and_gradient(fn, xs, data)(xs, data)
 
-    def flat_prepare_value_and_gradient(self, fn: Any, xs: list, data: list) -> Callable:
+    def prepare_value_and_gradient(self, fn: Any, xs: list, data: list) -> Callable:
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
             outputs, aux = self._run(fn, "value_and_gradient", self._gradient_body, xs, data)
             return outputs[0], aux, outputs[1:]
 
         return run
 
-    # One symbolic graph of the whole Jacobian (Hessian) where no chunk_size is set; with one,
-    # the core's chunks of batched pullbacks or pushforwards, as the option promises.
-    def flat_jacobian(self, fn: Any, xs: list, data: list) -> tuple[Any, list]:
-        if self.chunk_size is not None:
-            return super().flat_jacobian(fn, xs, data)
+    def jacobian(self, fn: Any, xs: list, data: list) -> tuple[Any, list]:
         outputs, _ = self._run(fn, "jacobian", self._jacobian_body, xs, data)
         return outputs[0], list(outputs[1:])
 
-    def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:
-        if self.chunk_size is not None:
-            return super().flat_hessian(fn, xs, data)
+    def hessian(self, fn: Any, xs: list, data: list) -> Any:
         return self._run(fn, "hessian", self._hessian_body, xs, data)[0][0]
 
-    def flat_hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
+    def hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
         return self._run(fn, "hvp", self._hvp_body, xs, data, list(tangents))[0]
 
-    # ------------------------------------------------------- implicit routes
+
+class _Variables:
+    """PyTensor's variables, ``pytensor.shared`` ones, and implicit mode's routes, which compile
+    graphs reading them with the adapter's machinery (the adapter's ``variables`` hook object)."""
+
+    def __init__(self, adapter: PyTensorAdapter):
+        self.adapter = adapter
+        self._implicit_plans = PlanCache()
+
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, SharedVariable)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        if not isinstance(v, TensorSharedVariable):
+            raise NonDifferentiableInputError(
+                f"{where} is a PyTensor shared variable of type {v.type}, not a tensor; only float tensor "
+                f"shared variables can be parameters"
+            )
+        if np.dtype(v.dtype).kind != "f":
+            raise NonDifferentiableInputError(
+                f"{where} is a PyTensor shared variable of dtype {v.dtype}; only float variables can be parameters"
+            )
+
+    def read(self, var: Any) -> np.ndarray:
+        return var.get_value()  # a copy (borrow=False)
+
+    def write(self, var: Any, value: Any) -> None:
+        value = np.asarray(value)
+        old = var.get_value(borrow=True)
+        if value.shape != old.shape or value.dtype != old.dtype:
+            raise ArgumentTypeError(
+                f"cannot assign a {value.dtype} array of shape {value.shape} to a PyTensor shared variable "
+                f"holding {old.dtype} of shape {old.shape}"
+            )
+        var.set_value(value)  # copied (borrow=False): the caller keeps its array
+
+    def current_value(self, var: Any) -> Any:
+        return var  # the graph reads the shared variable itself
+
+    def new_variable(self, value: Any) -> Any:
+        value = self.adapter.to_numpy(value)
+        return pytensor.shared(value.copy(), shape=value.shape)
+
     def _implicit(self, f: Callable[..., Any], args: tuple, has_aux: bool) -> tuple[Any, list, _ImplicitCall]:
         # f's plan: per f, argument structure, static leaves and what f reads from globals and
         # closures (a compiled graph freezes those), as in explicit mode; the array leaves of
         # args become symbolic inputs
-        fn, _, data = flatten_call(self._implicit_plans, f, None, args, has_aux, True, self._check_static)
-        return fn, [self.asarray(d) for d in data], _ImplicitCall(fn)
+        backend = self.adapter.backend
+        fn, _, data = flatten_call(self._implicit_plans, f, None, args, has_aux, True, backend._check_static)
+        return fn, [backend.asarray(d) for d in data], _ImplicitCall(fn)
 
     def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
         fn, data, call = self._implicit(f, args, has_aux)
-        outputs, aux = self._run(fn, "value_and_gradient", self._gradient_body, [], data, wrt=variables, call=call)
+        adapter = self.adapter
+        outputs, aux = adapter._run(fn, "value_and_gradient", adapter._gradient_body, [], data, wrt=variables,
+                                    call=call)
         return outputs[0], aux, outputs[1:]
 
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
         fn, data, call = self._implicit(f, args, False)
-        (y,), _ = self._run(fn, "value", self._value_body, [], data, wrt=variables, call=call)
+        adapter = self.adapter
+        (y,), _ = adapter._run(fn, "value", adapter._value_body, [], data, wrt=variables, call=call)
 
         def vjp(dy: Any) -> list:
-            dy = self.cotangent(dy, y)
-            return self._run(fn, "vjp", self._vjp_body, [], data, [dy], wrt=variables, call=call)[0]
+            dy = adapter.backend.cotangent(dy, y)
+            return adapter._run(fn, "vjp", adapter._vjp_body, [], data, [dy], wrt=variables, call=call)[0]
 
         return y, vjp
 

@@ -1,11 +1,15 @@
 """TensorFlow: ``tf.GradientTape`` (reverse), ``tf.autodiff.ForwardAccumulator`` (forward).
 
-Each operator has one body written for a tape; with ``compile=True`` (the default) the
-body runs inside a ``tf.function`` kept in the flat function's artefacts
-(``fn.artefacts(backend, operator)``), otherwise eagerly.  When the inputs are already
-symbolic (an abstractdiff operator called inside a function that TensorFlow is tracing)
-the body runs directly in that graph: nested tapes
-then differentiate through it.
+An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("tensorflow")``
+is the core's backend holding a :class:`TensorFlowAdapter`.  Each operator has one body
+written for a tape; with ``compile=True`` (the default) the body runs inside a
+``tf.function`` kept in the flat function's artefacts (``fn.artefacts(backend, operator)``),
+otherwise eagerly.  When the inputs are already symbolic (an abstractdiff operator called
+inside a function that TensorFlow is tracing) the body runs directly in that graph: nested
+tapes then differentiate through it.  Fast routes: the gradient, the Jacobian (one tape's
+``jacobian``, pfor-vectorised), its prepared form, the Hessian and the HVP; the compile step
+(:meth:`TensorFlowAdapter.direct_prepared`) compiles a whole prepared call.  Variables:
+``tf.Variable`` and Keras 3 variables (:class:`_Variables`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import optree
 import tensorflow as tf
 
 import abstractdiff._operators
-from abstractdiff._backend import OPERATOR_METHODS, Backend, check_scalar
+from abstractdiff._arrays import check_scalar
+from abstractdiff._backend import OPERATOR_METHODS, AdapterBackend
 from abstractdiff._compose import ForeignKernel
+from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
@@ -28,7 +34,9 @@ from abstractdiff._errors import (
     ModeMismatchError,
     TracedControlFlowError,
 )
+from abstractdiff._hooks import AdapterHooks
 from abstractdiff._tree import Artefacts, HasArtefacts, check_output, split_aux
+from abstractdiff.protocol import Adapter
 
 _ZERO = tf.UnconnectedGradients.ZERO
 
@@ -196,21 +204,98 @@ def _refusing(t: Any, kernel: Any, watched: bool) -> Any:
     return identity(t)
 
 
-class TensorFlowBackend(Backend):
+class _Variables:
+    """The variable hooks (the adapter's ``variables``): ``tf.Variable``, and Keras 3 variables
+    (on the tensorflow Keras backend), which wrap one."""
+
+    def __init__(self, adapter: TensorFlowAdapter):
+        self.adapter = adapter  # its ``backend`` (the holder), set after construction, for core services
+
+    def is_variable(self, v: Any) -> bool:
+        keras_variable = _keras_variable_type()
+        return isinstance(v, tf.Variable) or bool(keras_variable) and isinstance(v, keras_variable)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        if not isinstance(_tf_variable(v), tf.Variable):
+            raise ModeMismatchError(
+                f"{where} is a Keras variable of the {type(v.value).__module__.partition('.')[0]!r} "
+                f"backend; the implicit adapter differentiates Keras models on the tensorflow backend "
+                f"(KERAS_BACKEND=tensorflow)"
+            )
+        AdapterHooks.check_variable(self.adapter.backend, v, where)  # the core's dtype check
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        # tf.Module, Keras layers and models (not a variable, which has .variables too in Keras)
+        if self.is_variable(obj) or not (hasattr(obj, "trainable_variables") and hasattr(obj, "variables")):
+            return None
+        trainable = list(obj.trainable_variables)
+        ids = {id(v) for v in trainable}
+        return trainable, len([v for v in obj.variables if id(v) not in ids])
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        return None if self.model_variables(obj) is None else [("", v) for v in obj.variables]
+
+    def read(self, var: Any) -> Any:
+        return _tf_variable(var).read_value()
+
+    def write(self, var: Any, value: Any) -> None:
+        var.assign(value)
+
+    def current_value(self, var: Any) -> Any:
+        return _tf_variable(var).read_value()  # recorded on the tape
+
+    def new_variable(self, value: Any) -> Any:
+        return tf.Variable(value)
+
+    def aliases(self, var: Any) -> tuple[Any, ...]:
+        inner = _tf_variable(var)
+        return () if inner is var else (inner,)
+
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        watched = [_tf_variable(v) for v in variables]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(watched)
+            y, aux = split_aux(f(*args), has_aux)
+            y = _implicit_output(y)
+        check_scalar(y)
+        grads = tape.gradient(y, watched, unconnected_gradients=_ZERO)
+        return y, aux, [_dense(g) for g in grads]
+
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        watched = [_tf_variable(v) for v in variables]
+        # persistent: the pullback may be called more than once
+        with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+            tape.watch(watched)
+            y = _implicit_output(f(*args))
+
+        def vjp(dy: Any) -> list:
+            dy = tf.cast(self.adapter.backend.cotangent(dy, y), y.dtype)
+            grads = tape.gradient(y, watched, output_gradients=dy, unconnected_gradients=_ZERO)
+            return [_dense(g) for g in grads]
+
+        return y, vjp
+
+
+class TensorFlowAdapter(Adapter):
     name = "tensorflow"
     extra = "tensorflow"
     modules = ("tensorflow", "keras", "tf_keras")
+    fast_routes = {
+        "value_and_gradient": "value_and_gradient", "jacobian": "jacobian", "prepare_jacobian": "prepare_jacobian",
+        "hessian": "hessian", "hvp": "hvp",
+    }
 
-    def __init__(self, *, device: str | None = None, compile: bool = True, chunk_size: int | None = None):
+    def __init__(self, *, device: str = "cpu", compile: bool = True):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
-        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
+        super().__init__(device=device, compile=compile)
         self.compile = compile
-        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
+        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see Adapter.reuses_traces)
         # the core's canonical "cuda:N" is TensorFlow's "/GPU:N"
         self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{self.device.partition(':')[2]}"
         #: Number of times a tf.function body was traced (tests assert it stays put).
         self.trace_count = 0
+        self.variables = _Variables(self)
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -259,72 +344,6 @@ class TensorFlowBackend(Backend):
         with tf.device(like.device):
             return tf.identity(tf.convert_to_tensor(a))
 
-    # --------------------------------------------------------------- variables
-    # tf.Variable, and Keras 3 variables (on the tensorflow Keras backend), which wrap one.
-    def is_variable(self, v: Any) -> bool:
-        keras_variable = _keras_variable_type()
-        return isinstance(v, tf.Variable) or bool(keras_variable) and isinstance(v, keras_variable)
-
-    def check_variable(self, v: Any, where: str) -> None:
-        if not isinstance(_tf_variable(v), tf.Variable):
-            raise ModeMismatchError(
-                f"{where} is a Keras variable of the {type(v.value).__module__.partition('.')[0]!r} "
-                f"backend; the implicit adapter differentiates Keras models on the tensorflow backend "
-                f"(KERAS_BACKEND=tensorflow)"
-            )
-        super().check_variable(v, where)
-
-    def model_variables(self, obj: Any) -> tuple[list, int] | None:
-        # tf.Module, Keras layers and models (not a variable, which has .variables too in Keras)
-        if self.is_variable(obj) or not (hasattr(obj, "trainable_variables") and hasattr(obj, "variables")):
-            return None
-        trainable = list(obj.trainable_variables)
-        ids = {id(v) for v in trainable}
-        return trainable, len([v for v in obj.variables if id(v) not in ids])
-
-    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
-        return None if self.model_variables(obj) is None else [("", v) for v in obj.variables]
-
-    def read(self, var: Any) -> Any:
-        return _tf_variable(var).read_value()
-
-    def write(self, var: Any, value: Any) -> None:
-        var.assign(value)
-
-    def current_value(self, var: Any) -> Any:
-        return _tf_variable(var).read_value()  # recorded on the tape
-
-    def new_variable(self, value: Any) -> Any:
-        return tf.Variable(value)
-
-    def aliases(self, var: Any) -> tuple[Any, ...]:
-        inner = _tf_variable(var)
-        return () if inner is var else (inner,)
-
-    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
-        watched = [_tf_variable(v) for v in variables]
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(watched)
-            y, aux = split_aux(f(*args), has_aux)
-            y = _implicit_output(y)
-        check_scalar(y)
-        grads = tape.gradient(y, watched, unconnected_gradients=_ZERO)
-        return y, aux, [_dense(g) for g in grads]
-
-    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
-        watched = [_tf_variable(v) for v in variables]
-        # persistent: the pullback may be called more than once
-        with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
-            tape.watch(watched)
-            y = _implicit_output(f(*args))
-
-        def vjp(dy: Any) -> list:
-            dy = tf.cast(self.cotangent(dy, y), y.dtype)
-            grads = tape.gradient(y, watched, output_gradients=dy, unconnected_gradients=_ZERO)
-            return [_dense(g) for g in grads]
-
-        return y, vjp
-
     # ---------------------------------------------------------------- running
     def _run(self, fn: Any, kind: str, body: Callable, *groups: list) -> tuple:
         """``body(fn, *groups) -> (outputs, aux)``, compiled and cached in ``fn``'s artefacts."""
@@ -342,7 +361,7 @@ class TensorFlowBackend(Backend):
         if not (self.compile and tf.executing_eagerly()):
             with tf.device(self.tf_device):
                 return body(fn, *groups)
-        store = fn.artefacts(self, kind) if isinstance(fn, HasArtefacts) else Artefacts(kind)
+        store = fn.artefacts(self.backend, kind) if isinstance(fn, HasArtefacts) else Artefacts(kind)
         if store.peek("eager"):  # f calls a foreign kernel whose forward mode works eagerly only
             with tf.device(self.tf_device):
                 return body(fn, *groups)
@@ -508,7 +527,7 @@ class TensorFlowBackend(Backend):
         return function
 
     # ------------------------------------------------------- flat operators
-    def flat_value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:
+    def value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:
         if not (self.compile and tf.executing_eagerly()):
             # A persistent tape answers any number of pullbacks (the core's jacobian
             # asks one per output element) without running f again.
@@ -529,7 +548,7 @@ class TensorFlowBackend(Backend):
 
         return y, aux, compiled_vjp
 
-    def flat_value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
+    def value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
         y, aux = self._run(fn, "value", self._value, xs, data)
 
         def jvp(ts: list) -> Any:
@@ -539,9 +558,9 @@ class TensorFlowBackend(Backend):
 
     # Batched: tf.vectorized_map (pfor) over the batch, inside one tf.function per call.
     # Eager (compile=False) keeps f eager: the default loop over the batch.
-    def flat_value_and_batched_pullback(self, fn: Any, xs: list, data: list) -> tuple:
+    def value_and_batched_pullback(self, fn: Any, xs: list, data: list) -> tuple:
         if not self.compile and tf.executing_eagerly():
-            return super().flat_value_and_batched_pullback(fn, xs, data)
+            return DerivedOperators.flat_value_and_batched_pullback(self.backend, fn, xs, data)
         y, aux = self._run(fn, "value", self._value, xs, data)
 
         def vjps(dys: Any) -> list:
@@ -549,9 +568,9 @@ class TensorFlowBackend(Backend):
 
         return y, aux, vjps
 
-    def flat_value_and_batched_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
+    def value_and_batched_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
         if not self.compile and tf.executing_eagerly():
-            return super().flat_value_and_batched_pushforward(fn, xs, data)
+            return DerivedOperators.flat_value_and_batched_pushforward(self.backend, fn, xs, data)
         y, aux = self._run(fn, "value", self._value, xs, data)
 
         def jvps(ts: list) -> Any:
@@ -559,13 +578,12 @@ class TensorFlowBackend(Backend):
 
         return y, aux, jvps
 
-    def flat_value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple:
+    def value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple:
         (y, grads), aux = self._run(fn, "gradient", self._gradient, xs, data)
         return y, aux, grads
 
-    def flat_jacobian(self, fn: Any, xs: list, data: list) -> tuple:
-        if self.chunk_size is not None:  # the core's chunks of batched (pfor) calls
-            return super().flat_jacobian(fn, xs, data)
+    # with chunk_size set, the Jacobians are the core's chunks of batched (pfor) calls
+    def jacobian(self, fn: Any, xs: list, data: list) -> tuple:
         return self._run(fn, "jacobian", self._jacobian, xs, data)[0]
 
     def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
@@ -618,14 +636,12 @@ class TensorFlowBackend(Backend):
 
         return direct
 
-    def flat_prepare_jacobian(self, fn: Any, xs: list, data: list) -> Callable[[list, list], list]:
-        if self.chunk_size is not None:
-            return super().flat_prepare_jacobian(fn, xs, data)
+    def prepare_jacobian(self, fn: Any, xs: list, data: list) -> Callable[[list, list], list]:
         general = lambda xs, data: list(self._run(fn, "jacobian only", self._jacobian_only, xs, data)[0])  # noqa: E731
         if not (self.compile and isinstance(fn, HasArtefacts)):
             return general
         # the compiled tf.function looked up once, not per call
-        store = fn.artefacts(self, "jacobian only")
+        store = fn.artefacts(self.backend, "jacobian only")
         sizes = (len(xs), len(data))
         compiled, _ = store.get(("tf.function", sizes), lambda: self._compiled(fn, self._jacobian_only, sizes))
 
@@ -645,10 +661,10 @@ class TensorFlowBackend(Backend):
 
         return run
 
-    def flat_hessian(self, fn: Any, xs: list, data: list) -> Any:
+    def hessian(self, fn: Any, xs: list, data: list) -> Any:
         return self._run(fn, "hessian", self._hessian, xs, data)[0]
 
-    def flat_hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
+    def hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
         return self._run(fn, "hvp", self._hvp, xs, data, tangents)[0]
 
 
@@ -659,5 +675,5 @@ class TensorFlowBackend(Backend):
 # functions as they are.
 for _name in abstractdiff._operators.__all__:
     getattr(abstractdiff._operators, _name).autograph_info__ = frozenset()
-for _name in OPERATOR_METHODS:
-    getattr(Backend, _name).autograph_info__ = frozenset()
+for _name in OPERATOR_METHODS:  # the public methods of the backend holding this adapter
+    getattr(AdapterBackend, _name).autograph_info__ = frozenset()

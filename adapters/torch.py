@@ -25,6 +25,13 @@ serialised, and nested use on one thread goes on.
 or any other ``torch.compile`` backend name picks that backend).  Dynamo turns Python
 control flow on tensors into graph breaks rather than errors, so there is no
 ``TracedControlFlowError`` to raise here: such functions run, partly eagerly.
+
+An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("torch")``
+is the core's backend holding a :class:`TorchAdapter`.  Fast routes: the gradient and its
+prepared form, the Jacobian (jacrev or jacfwd, whichever is cheaper) and its prepared form,
+and the second-order operators of ``torch.func``; the compile step
+(:meth:`TorchAdapter.direct_prepared`) skips the core's layering for prepared gradients.
+Variables: leaf tensors and ``nn.Module`` parameters (:class:`_Variables`).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import optree
 import torch
 import torch.func
 
-from abstractdiff._backend import Backend, check_scalar
+from abstractdiff._arrays import check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -50,6 +57,7 @@ from abstractdiff._errors import (
     NonDifferentiableInputError,
 )
 from abstractdiff._tree import FlatFunction, artefacts, check_output, split_aux
+from abstractdiff.protocol import Adapter
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -144,12 +152,142 @@ class _AuxCarrier:
         return optree.tree_unflatten(self.treedef, leaves)
 
 
-class TorchBackend(Backend):
+class _Variables:
+    """The variable hooks (the adapter's ``variables``): a torch parameter is a leaf tensor
+    that requires grad (an ``nn.Parameter`` or not); ``nn.Module`` gives its parameters and
+    buffers."""
+
+    def __init__(self, adapter: TorchAdapter):
+        self.adapter = adapter  # its ``backend`` (the holder), set after construction, for core services
+
+    def is_variable(self, v: Any) -> bool:
+        return isinstance(v, torch.Tensor)
+
+    def check_variable(self, v: Any, where: str) -> None:
+        # requires_grad first: an integer tensor cannot require grad, so it is data, not a variable
+        if not v.requires_grad:
+            raise ModeMismatchError(
+                f"{where} is a torch tensor that does not require grad; call .requires_grad_() on it "
+                f"(or create it with ad.variables(tree, 'torch'))"
+            )
+        if not v.is_leaf:
+            raise ModeMismatchError(
+                f"{where} is a torch tensor computed from other tensors (not a leaf); parameters must "
+                f"be leaf tensors: use the tensors it was computed from, or .detach().requires_grad_()"
+            )
+        if not v.is_floating_point():
+            raise NonDifferentiableInputError(
+                f"{where} is a torch tensor of dtype {v.dtype}; only float tensors can be parameters"
+            )
+
+    def model_variables(self, obj: Any) -> tuple[list, int] | None:
+        if not isinstance(obj, torch.nn.Module):
+            return None
+        params = list(obj.parameters())  # already de-duplicated (shared weights)
+        trainable = [p for p in params if p.requires_grad]
+        return trainable, len(params) - len(trainable)
+
+    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # parameters (frozen ones too) and buffers (BatchNorm's running statistics), in
+        # state_dict order and with its names
+        return list(obj.state_dict(keep_vars=True).items()) if isinstance(obj, torch.nn.Module) else None
+
+    def read(self, var: Any) -> torch.Tensor:
+        return var.detach()
+
+    def write(self, var: Any, value: Any) -> None:
+        with torch.no_grad():
+            var.copy_(value)
+
+    def current_value(self, var: Any) -> torch.Tensor:
+        return var
+
+    def new_variable(self, value: Any) -> torch.Tensor:
+        return value.detach().clone().requires_grad_(True)
+
+    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
+        args = _on_device_of(variables, args)
+        with torch.enable_grad():
+            y, aux = split_aux(f(*args), has_aux)
+            y = self._implicit_output(y, variables)
+            check_scalar(y)
+            if y.requires_grad:
+                # never .backward(): it would accumulate into every parameter's .grad
+                grads = torch.autograd.grad(y, variables, allow_unused=True, materialize_grads=True)
+            else:
+                grads = tuple(torch.zeros_like(p) for p in variables)
+        return y.detach(), _detached(aux), list(grads)
+
+    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
+        args = _on_device_of(variables, args)
+        with torch.enable_grad():
+            y = self._implicit_output(f(*args), variables)
+
+        def vjp(dy: Any) -> list:
+            # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
+            dy = torch.as_tensor(self.adapter.backend.cotangent(dy, y), dtype=y.dtype, device=y.device)
+            if not y.requires_grad:
+                return [torch.zeros_like(p) for p in variables]
+            with torch.enable_grad():
+                grads = torch.autograd.grad(
+                    y, variables, grad_outputs=dy, retain_graph=True, allow_unused=True, materialize_grads=True
+                )
+            return list(grads)
+
+        return y.detach(), vjp
+
+    @staticmethod
+    def _implicit_output(out: Any, variables: list) -> torch.Tensor:
+        # the core refuses a numpy value (it cannot depend on the variables); a Python number
+        # comes back as a 0-d numpy array, a constant
+        y = check_output(out, variables)
+        return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
+
+
+def _on_device_of(variables: list, args: tuple) -> tuple:
+    # Data goes to the model's device (a model moved to a GPU) and float data to the
+    # widest float dtype of the model's variables: a float64 batch for a float32 module
+    # would otherwise fail in torch's matmul ("expected scalar type Float but found
+    # Double"), and the first variable's dtype would narrow the data a wider (float64)
+    # variable meets, losing its precision.
+    device = variables[0].device
+    floats = [v.dtype for v in variables if v.is_floating_point()]
+    dtype = functools.reduce(torch.promote_types, floats) if floats else None
+
+    def fit(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if dtype is not None and a.is_floating_point() and a.dtype != dtype:
+            return a.to(device=device, dtype=dtype)
+        return a.to(device) if a.device != device else a
+
+    return optree.tree_map(fit, args)
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+
+
+class TorchAdapter(Adapter):
     name = "torch"
     extra = "torch"
     modules = ("torch",)
+    # each fast route is the method of the operator's own name
+    fast_routes = {
+        "value_and_gradient": "value_and_gradient",
+        "prepare_value_and_gradient": "prepare_value_and_gradient",
+        "jacobian": "jacobian",
+        "prepare_jacobian": "prepare_jacobian",
+        "hessian": "hessian",
+        "hvp": "hvp",
+        "hessian_blocks": "hessian_blocks",
+        "value_gradient_and_hessian": "value_gradient_and_hessian",
+        "gradient_and_hvp": "gradient_and_hvp",
+        "value_derivative_and_second_derivative": "value_derivative_and_second_derivative",
+        "second_derivative": "second_derivative",
+    }
 
-    def __init__(self, *, device: str | None = None, compile: bool | str = False, chunk_size: int | None = None):
+    def __init__(self, *, device: str = "cpu", compile: bool | str = False):
         if not isinstance(compile, (bool, str)):
             raise ArgumentTypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
         if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):
@@ -157,13 +295,14 @@ class TorchBackend(Backend):
                 f"compile={compile!r} is not a torch.compile backend; pass True (inductor), False, or "
                 f"one of {', '.join(sorted(torch.compiler.list_backends(exclude_tags=())))}"
             )
-        super().__init__(device=device, chunk_size=chunk_size, compile=compile)
+        super().__init__(device=device, compile=compile)
         self.compile = compile
-        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see AdapterHooks)
+        self.reuses_traces = bool(compile)  # a compiled trace freezes what f reads (see Adapter.reuses_traces)
         self.torch_device = torch.device(self.device)
         #: How many graphs torch.compile has compiled for this backend (a test hook: a repeated
         #: call with the same function, structure, shapes and dtypes must not add one).
         self.compilations = 0
+        self.variables = _Variables(self)
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -226,121 +365,17 @@ class TorchBackend(Backend):
         t = torch.as_tensor(a, device=like.device)
         return t.requires_grad_() if like.requires_grad and t.is_floating_point() else t
 
-    # --------------------------------------------------------------- variables
-    # A torch parameter is a leaf tensor that requires grad (an nn.Parameter or not).
-    def is_variable(self, v: Any) -> bool:
-        return isinstance(v, torch.Tensor)
-
-    def check_variable(self, v: Any, where: str) -> None:
-        # requires_grad first: an integer tensor cannot require grad, so it is data, not a variable
-        if not v.requires_grad:
-            raise ModeMismatchError(
-                f"{where} is a torch tensor that does not require grad; call .requires_grad_() on it "
-                f"(or create it with ad.variables(tree, 'torch'))"
-            )
-        if not v.is_leaf:
-            raise ModeMismatchError(
-                f"{where} is a torch tensor computed from other tensors (not a leaf); parameters must "
-                f"be leaf tensors: use the tensors it was computed from, or .detach().requires_grad_()"
-            )
-        if not v.is_floating_point():
-            raise NonDifferentiableInputError(
-                f"{where} is a torch tensor of dtype {v.dtype}; only float tensors can be parameters"
-            )
-
-    def model_variables(self, obj: Any) -> tuple[list, int] | None:
-        if not isinstance(obj, torch.nn.Module):
-            return None
-        params = list(obj.parameters())  # already de-duplicated (shared weights)
-        trainable = [p for p in params if p.requires_grad]
-        return trainable, len(params) - len(trainable)
-
-    def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
-        # parameters (frozen ones too) and buffers (BatchNorm's running statistics), in
-        # state_dict order and with its names
-        return list(obj.state_dict(keep_vars=True).items()) if isinstance(obj, torch.nn.Module) else None
-
-    def read(self, var: Any) -> torch.Tensor:
-        return var.detach()
-
-    def write(self, var: Any, value: Any) -> None:
-        with torch.no_grad():
-            var.copy_(value)
-
-    def current_value(self, var: Any) -> torch.Tensor:
-        return var
-
-    def new_variable(self, value: Any) -> torch.Tensor:
-        return value.detach().clone().requires_grad_(True)
-
-    def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
-        args = self._on_device_of(variables, args)
-        with torch.enable_grad():
-            y, aux = split_aux(f(*args), has_aux)
-            y = self._implicit_output(y, variables)
-            check_scalar(y)
-            if y.requires_grad:
-                # never .backward(): it would accumulate into every parameter's .grad
-                grads = torch.autograd.grad(y, variables, allow_unused=True, materialize_grads=True)
-            else:
-                grads = tuple(torch.zeros_like(p) for p in variables)
-        return y.detach(), self._detached(aux), list(grads)
-
-    def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
-        args = self._on_device_of(variables, args)
-        with torch.enable_grad():
-            y = self._implicit_output(f(*args), variables)
-
-        def vjp(dy: Any) -> list:
-            # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
-            dy = torch.as_tensor(self.cotangent(dy, y), dtype=y.dtype, device=y.device)
-            if not y.requires_grad:
-                return [torch.zeros_like(p) for p in variables]
-            with torch.enable_grad():
-                grads = torch.autograd.grad(
-                    y, variables, grad_outputs=dy, retain_graph=True, allow_unused=True, materialize_grads=True
-                )
-            return list(grads)
-
-        return y.detach(), vjp
-
-    def _implicit_output(self, out: Any, variables: list) -> torch.Tensor:
-        # the core refuses a numpy value (it cannot depend on the variables); a Python number
-        # comes back as a 0-d numpy array, a constant
-        y = check_output(out, variables)
-        return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
-
-    @staticmethod
-    def _on_device_of(variables: list, args: tuple) -> tuple:
-        # Data goes to the model's device (a model moved to a GPU) and float data to the
-        # widest float dtype of the model's variables: a float64 batch for a float32 module
-        # would otherwise fail in torch's matmul ("expected scalar type Float but found
-        # Double"), and the first variable's dtype would narrow the data a wider (float64)
-        # variable meets, losing its precision.
-        device = variables[0].device
-        floats = [v.dtype for v in variables if v.is_floating_point()]
-        dtype = functools.reduce(torch.promote_types, floats) if floats else None
-
-        def fit(a: Any) -> Any:
-            if not isinstance(a, torch.Tensor):
-                return a
-            if dtype is not None and a.is_floating_point() and a.dtype != dtype:
-                return a.to(device=device, dtype=dtype)
-            return a.to(device) if a.device != device else a
-
-        return optree.tree_map(fit, args)
-
     def _tensor(self, y: Any) -> torch.Tensor:
         # a Python number f returned, as the 0-d numpy array the core's check_output made of
         # it (the core refused numpy's own values: they cannot depend on x)
-        return y if isinstance(y, torch.Tensor) else self.asarray(np.asarray(y))
+        return y if isinstance(y, torch.Tensor) else self.backend.asarray(np.asarray(y))
 
     # ------------------------------------------------------------- compilation
     def _forward(self, fn: FlatFn) -> FlatFn:
         """``fn``, or its ``torch.compile``d twin, cached in ``fn``'s artefacts."""
         if not self.compile or not isinstance(fn, FlatFunction):
             return fn
-        store = fn.artefacts(self, "torch.compile")
+        store = fn.artefacts(self.backend, "torch.compile")
         forward = store.peek("forward")
         if forward is not None:
             return forward
@@ -422,12 +457,8 @@ class TorchBackend(Backend):
         # .grad are never touched.
         return [x.detach().requires_grad_() for x in xs], False
 
-    @staticmethod
-    def _detached(tree: Any) -> Any:
-        return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
-
     @_explains_numpy_mix
-    def flat_value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         # A compiled backward refuses retain_graph=True (AOTAutograd donates its buffers), and
         # a pullback may be called many times: compiled functions take the torch.func route.
         if self.compile or _in_functorch():
@@ -450,7 +481,7 @@ class TorchBackend(Backend):
 
         if nested:
             return y, aux, vjp
-        return y.detach(), self._detached(aux), vjp
+        return y.detach(), _detached(aux), vjp
 
     def _func_vjp(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         """``(y, aux, vjp_fn)`` from ``torch.func.vjp``, which composes with ``torch.func.vmap``."""
@@ -465,13 +496,13 @@ class TorchBackend(Backend):
         return y, carrier.unpack(aux), vjp_fn
 
     @_explains_numpy_mix
-    def flat_value_and_batched_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_batched_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         # torch.func.vjp's pullback vmapped over the batch (autograd.grad cannot run under vmap)
         y, aux, vjp_fn = self._func_vjp(fn, xs, data)
         return y, aux, lambda dys: list(torch.func.vmap(vjp_fn)(dys))
 
     @_explains_numpy_mix
-    def flat_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
+    def value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
         if _in_functorch():
             carrier = _AuxCarrier()
             forward = self._forward(fn)
@@ -496,13 +527,13 @@ class TorchBackend(Backend):
                 grads = [None] * len(leaves)
         if nested:
             return y, aux, grads
-        return y.detach(), (None if aux is None else self._detached(aux)), grads
+        return y.detach(), (None if aux is None else _detached(aux)), grads
 
-    def flat_prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], tuple]:
+    def prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], tuple]:
         # The hot path of training loops and small functions: in the common case (eager,
         # grad mode on, no input already in a graph, no torch.func transform active) the
         # call is native's own few lines; anything else takes the general route above.
-        general = functools.partial(self.flat_value_and_gradient, fn)
+        general = functools.partial(self.value_and_gradient, fn)
         if self.compile:
             return general
         grad = torch.autograd.grad
@@ -510,7 +541,7 @@ class TorchBackend(Backend):
         grad_enabled = torch.is_grad_enabled
         tensor = torch.Tensor
         as_tensor = self._tensor
-        detached = self._detached
+        detached = _detached
 
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
             if transform_active() is not None or not grad_enabled():
@@ -619,7 +650,7 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
-    def flat_value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         y, aux = self._forward(fn)(xs, data)
         value = self._value_fn(fn, data)
 
@@ -632,7 +663,7 @@ class TorchBackend(Backend):
         return y, aux, jvp
 
     @_explains_numpy_mix
-    def flat_value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+    def value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         y, aux = self._forward(fn)(xs, data)
         value = self._value_fn(fn, data)
         y = self._tensor(y)
@@ -649,9 +680,8 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------ composed
     @_explains_numpy_mix
-    def flat_jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
-        if self.chunk_size is not None:  # chunking is the core's: its chunks of vmapped vjps or jvps
-            return super().flat_jacobian(fn, xs, data)
+    # with chunk_size set, the Jacobians are the core's chunks of vmapped vjps or jvps
+    def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
         value = self._value_fn(fn, data)
 
         def with_value(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -669,7 +699,7 @@ class TorchBackend(Backend):
         # peek and put, not get(): get holds the store's lock while f runs, and an f calling a
         # forward-mode operator would then wait for _FORWARD_MODE under it (a lock-order
         # deadlock with a thread in forward mode asking for this size); a race computes it twice
-        sizes = artefacts(fn, self, "output size")
+        sizes = artefacts(fn, self.backend, "output size")
         n_out = sizes.peek(signature)
         if n_out is None:
             n_out = output_size()
@@ -683,7 +713,7 @@ class TorchBackend(Backend):
                 jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
         return y, [_like(j, y) for j in jacs]
 
-    def flat_prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
+    def prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
         # torch.func's jacrev/jacfwd built once per mode, over (*xs, *data): the per-call
         # work is the transform's own.  The mode follows the sizes, looked up per shapes.
         k = len(xs)
@@ -698,7 +728,6 @@ class TorchBackend(Backend):
         reverse = torch.func.jacrev(value, argnums)
         forward_mode = torch.func.jacfwd(value, argnums)
         modes: dict[tuple, tuple[Callable, Any]] = {}
-        general = self.flat_jacobian
 
         def run(xs: list, data: list) -> list:
             shapes = tuple(x.shape for x in (*xs, *data))
@@ -706,17 +735,13 @@ class TorchBackend(Backend):
             if mode is None:
                 with torch.no_grad():
                     y = value(*xs, *data)
-                if self.chunk_size is not None:  # the core's chunks (see flat_jacobian)
-                    mode = (None, y.dtype)
-                elif y.numel() <= sum(x.numel() for x in xs):
+                if y.numel() <= sum(x.numel() for x in xs):
                     mode = (reverse, y.dtype)
                 else:
                     mode = (_forward_mode(forward_mode), y.dtype)
                 if len(modes) < 64:
                     modes[shapes] = mode
             transform, dtype = mode
-            if transform is None:
-                return general(fn, xs, data)[1]
             try:
                 jacs = transform(*xs, *data)
             except (TypeError, RuntimeError) as err:
@@ -730,12 +755,12 @@ class TorchBackend(Backend):
 
     @_explains_numpy_mix
     @_forward_mode
-    def flat_hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
+    def hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
         return _like(torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0]), xs[0])
 
     @_explains_numpy_mix
     @_forward_mode
-    def flat_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
+    def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
         _, hv = _grad_and_hvp(grad, xs, tangents)
@@ -743,16 +768,16 @@ class TorchBackend(Backend):
 
     @_explains_numpy_mix
     @_forward_mode
-    def flat_hessian_blocks(self, fn: FlatFn, xs: list, data: list) -> list[list[Any]]:
+    def hessian_blocks(self, fn: FlatFn, xs: list, data: list) -> list[list[Any]]:
         if len(xs) == 1:
-            return [[self.flat_hessian(fn, xs, data)]]
+            return [[self.hessian(fn, xs, data)]]
         argnums = tuple(range(len(xs)))
         h = torch.func.hessian(self._value_fn(fn, data, "hessian"), argnums=argnums)(*xs)
         return [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums]
 
     @_explains_numpy_mix
     @_forward_mode
-    def flat_value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list]:
+    def value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list]:
         # forward over reverse, the value and gradient riding along as aux: one pass
         argnums = tuple(range(len(xs)))
         value = self._value_fn(fn, data, "value_gradient_and_hessian")
@@ -770,7 +795,7 @@ class TorchBackend(Backend):
 
     @_explains_numpy_mix
     @_forward_mode
-    def flat_gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:
+    def gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:
         # one jvp of the gradient function: its primal output is the gradient
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
         g, hv = _grad_and_hvp(grad, xs, tangents)
@@ -778,7 +803,7 @@ class TorchBackend(Backend):
 
     @_explains_numpy_mix
     @_forward_mode
-    def flat_value_derivative_and_second_derivative(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Any]:
+    def value_derivative_and_second_derivative(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Any]:
         # forward over forward: the inner jvp's primal and tangent are y and dy/dx
         value = self._value_fn(fn, data)
         (x,) = xs
@@ -790,8 +815,8 @@ class TorchBackend(Backend):
         (y, d), (_, d2) = torch.func.jvp(value_and_derivative, (x,), (one,))
         return y, _like(d, y), _like(d2, y)
 
-    def flat_second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
-        return self.flat_value_derivative_and_second_derivative(fn, xs, data)[2]
+    def second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
+        return self.value_derivative_and_second_derivative(fn, xs, data)[2]
 
 
 # ---------------------------------------------------------------------------------------
@@ -863,7 +888,7 @@ class _Node:
 
 class _Custom(torch.autograd.Function):
     """A numpy function with custom derivatives as a torch operation of 1-D tensors
-    (:meth:`TorchBackend.custom_function`): the rules are torch code calling other custom
+    (:meth:`TorchAdapter.custom_function`): the rules are torch code calling other custom
     functions, so torch differentiates them in turn (second derivatives, forward over reverse)."""
 
     @staticmethod

@@ -12,7 +12,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
-from abstractdiff.adapters.jax import JaxBackend  # noqa: E402
+from abstractdiff.adapters.jax import JaxAdapter  # noqa: E402
 from autoray import numpy as anp  # noqa: E402
 
 import abstractdiff as ad  # noqa: E402
@@ -26,7 +26,7 @@ GPU_RTOL = {"float32": 1e-5, "float64": 1e-10}
 
 
 @pytest.fixture(scope="module")
-def b() -> JaxBackend:
+def b() -> ad.Backend:
     return ad.backend("jax")
 
 
@@ -313,7 +313,7 @@ def test_float64_result_is_exact_to_float64_precision(b):
 
 # ------------------------------------------------------------------ caching
 def test_second_call_does_not_retrace():
-    b = JaxBackend()
+    b = ad.backend("jax")
 
     def loss(w, a, t):
         return least_squares(w, a, t)
@@ -357,10 +357,10 @@ def test_unprepared_calls_on_jax_arrays_take_jit_alone_and_see_every_change(monk
     """The hot call: jit's dispatch for the whole unprepared operator, guarded by the
     captures; shapes, dtypes, structures and static values of every kind still right."""
     global SCALE
-    b = JaxBackend()
+    b = ad.backend("jax")
     x = jnp.asarray(point(4, "float32"))
     flattened = []
-    monkeypatch.setattr(JaxBackend, "flatten", lambda self, *a: flattened.append(1) or ad.Backend.flatten(self, *a))
+    monkeypatch.setattr(type(b), "flatten", lambda self, *a: flattened.append(1) or ad.Backend.flatten(self, *a))
 
     def want(x, s=1.0):
         x = np.asarray(x, dtype=np.float64)
@@ -471,7 +471,14 @@ def test_bad_inputs_and_outputs(b):
     with pytest.raises(ad.InvalidOutputError, match="str"):
         ad.gradient(b, lambda x: "nope", np.ones(3))
     with pytest.raises(TypeError, match="compile must be True or False"):
-        JaxBackend(compile="yes")
+        ad.backend("jax", compile="yes")
+
+
+def test_backend_holds_the_adapter_and_reuses_traces_follows_compile():
+    compiled, eager = ad.backend("jax"), ad.backend("jax", compile=False)
+    assert isinstance(compiled.adapter, JaxAdapter) and compiled.adapter.backend is compiled
+    assert compiled.reuses_traces and not eager.reuses_traces  # a trace is reused only when jitted
+    assert compiled.compile and not eager.compile  # the adapter's option, read through the holder
 
 
 # ------------------------------------------------------------------ devices
@@ -485,10 +492,10 @@ def test_devices(b):
         ad.backend("jax", device="cuda:7")
     assert "cuda:7" in str(info.value)
     with pytest.raises(ad.DeviceError, match="cpu"):
-        JaxBackend(device="quantum")
+        ad.backend("jax", device="quantum")
     if "cuda:0" not in names:
         with pytest.raises(ad.DeviceError, match="'gpu'"):
-            JaxBackend(device="gpu")
+            ad.backend("jax", device="gpu")
 
 
 # ------------------------------------------------------------------ nesting
@@ -517,7 +524,7 @@ def test_nested_gradient_matches_second_derivative(b):
 
 # ------------------------------------------------------------------ GPU parity
 def _gpu_or_skip() -> str:
-    gpus = [d for d in JaxBackend().devices() if d.startswith("cuda")]
+    gpus = [d for d in ad.backend("jax").devices() if d.startswith("cuda")]
     if not gpus:
         pytest.skip(f"no GPU visible to jax here (jax devices: {jax.devices()})")
     return gpus[0]

@@ -13,7 +13,7 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install 'abstractdiff[mlx]'")
 
 import mlx.nn as nn  # noqa: E402
-from abstractdiff.adapters.mlx import MLXBackend, MLXParameter  # noqa: E402
+from abstractdiff.adapters.mlx import MLXAdapter, MLXParameter  # noqa: E402
 from autoray import do  # noqa: E402
 from autoray import numpy as anp  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -26,12 +26,12 @@ RTOL = {"float32": 1e-4, "float64": 1e-12}
 
 
 @pytest.fixture(scope="module")
-def b() -> MLXBackend:
+def b() -> ad.Backend:
     return ad.backend("mlx")
 
 
 @pytest.fixture(scope="module")
-def compiled() -> MLXBackend:
+def compiled() -> ad.Backend:
     return ad.backend("mlx", compile=True)
 
 
@@ -334,12 +334,13 @@ def test_user_exceptions_and_bad_outputs(b):
     with pytest.raises(ad.NonDifferentiableInputError):
         ad.gradient(b, lambda x: anp.sum(x), np.arange(3))
     with pytest.raises(ad.ArgumentTypeError, match="compile must be True or False"):
-        MLXBackend(compile="yes")
+        ad.backend("mlx", compile="yes")
 
 
 # ------------------------------------------------------------------ compiled route
 def test_compiled_route_traces_once_per_signature():
-    b = MLXBackend(compile=True)
+    b = ad.backend("mlx", compile=True)
+    assert isinstance(b.adapter, MLXAdapter)
     assert b.reuses_traces and not ad.backend("mlx").reuses_traces
 
     def loss(w, a, t):
@@ -417,7 +418,7 @@ def test_devices_and_global_settings_untouched():
                 ad.backend("mlx", device=spelling)
             assert "available devices: cpu" in str(info.value)
     with pytest.raises(ad.DeviceError, match="quantum"):
-        MLXBackend(device="quantum")
+        ad.backend("mlx", device="quantum")
     ad.hessian(b, sin_sum, point(3, "float64"))
     ad.gradient(ad.backend("mlx", compile=True), cube, point(3, "float32"))
     assert mx.default_device() == default_device and mx.default_stream(default_device) == default_stream

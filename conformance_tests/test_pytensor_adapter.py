@@ -18,24 +18,26 @@ import pytest
 pytensor = pytest.importorskip("pytensor", reason="PyTensor is not installed (pip install 'abstractdiff[pytensor]')")
 
 import pytensor.tensor as pt  # noqa: E402
-from abstractdiff.adapters.pytensor import PyTensorBackend  # noqa: E402
+from abstractdiff.adapters.pytensor import PyTensorAdapter  # noqa: E402
 from autoray import numpy as anp  # noqa: E402
 
 import abstractdiff as ad  # noqa: E402
 from abstractdiff import optim  # noqa: E402
+from abstractdiff._backend import AdapterBackend  # noqa: E402
 
 DTYPES = ["float32", "float64"]
 RTOL = {"float32": 1e-4, "float64": 1e-9}
 
 
 @pytest.fixture(scope="module")
-def b() -> PyTensorBackend:
+def b() -> ad.Backend:
     return ad.backend("pytensor", mode="FAST_COMPILE")
 
 
-def fresh() -> PyTensorBackend:
-    """A backend of its own (its counters start at zero); FAST_COMPILE, as the module's."""
-    return PyTensorBackend(mode="FAST_COMPILE")
+def fresh() -> ad.Backend:
+    """A backend of its own (its counters start at zero); FAST_COMPILE, as the module's.
+    ``ad.backend`` shares one instance per options: the core's holder is made directly."""
+    return AdapterBackend(PyTensorAdapter, mode="FAST_COMPILE")
 
 
 def assert_close(actual, expected, rtol: float, dtype: str | None = None) -> None:
@@ -415,11 +417,11 @@ def test_non_scalar_output(b):
 
 def test_bad_options_and_inputs(b):
     with pytest.raises(ad.InvalidArgumentError, match="FAST_COMPILE"):
-        PyTensorBackend(mode="FAST")
+        ad.backend("pytensor", mode="FAST")
     with pytest.raises(ad.InvalidArgumentError, match="another library"):
-        PyTensorBackend(mode="JAX")
+        ad.backend("pytensor", mode="JAX")
     with pytest.raises(TypeError, match="mode"):
-        PyTensorBackend(mode=3)
+        ad.backend("pytensor", mode=3)
     with pytest.raises(ad.NonDifferentiableInputError):
         ad.gradient(b, lambda x: anp.sum(x), np.arange(3))
     with pytest.raises(ad.InvalidOutputError, match="str"):
@@ -454,8 +456,11 @@ def test_arrays_and_conversions(b):
 
 def test_devices():
     b = ad.backend("pytensor")
+    assert isinstance(b, ad.Backend) and isinstance(b.adapter, PyTensorAdapter)
+    assert not issubclass(PyTensorAdapter, ad.Backend)
     assert b.devices() == ["cpu"] and b.device == "cpu"
-    assert PyTensorBackend(device="CPU").device == "cpu" and PyTensorBackend(device="cpu:0").device == "cpu"
+    assert ad.backend("pytensor", device="CPU").device == "cpu"
+    assert ad.backend("pytensor", device="cpu:0").device == "cpu"
     for name in ("cuda", "gpu", "cuda:0", "gpu:1"):
         with pytest.raises(ad.DeviceError, match=r"pytensor backend: device .* not available.*available devices: cpu"):
             ad.backend("pytensor", device=name)

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from abstractdiff.adapters.torch import TorchBackend  # noqa: E402
+from abstractdiff.adapters.torch import TorchAdapter  # noqa: E402
 from autoray import numpy as anp  # noqa: E402
 
 import abstractdiff as ad  # noqa: E402
@@ -26,7 +26,7 @@ GPU_RTOL = {np.float32: 1e-5, np.float64: 1e-10}
 
 
 @pytest.fixture(scope="module")
-def b() -> TorchBackend:
+def b() -> ad.Backend:
     return ad.backend("torch")
 
 
@@ -424,19 +424,19 @@ def test_asarray_preserves_dtype(b, dtype):
 
 
 def test_devices_and_normalisation():
-    b = TorchBackend()
+    b = ad.backend("torch")
     assert b.devices()[0] == "cpu" and b.device == "cpu"
-    assert TorchBackend(device="CPU").device == "cpu"
+    assert ad.backend("torch", device="CPU").device == "cpu"
     with pytest.raises(ad.DeviceError, match=r"'cuda:7'.*available devices: cpu"):
-        TorchBackend(device="cuda:7")
+        ad.backend("torch", device="cuda:7")
     with pytest.raises(ad.DeviceError, match="'tpu'"):
         ad.backend("torch", device="tpu")
     if not torch.cuda.is_available():
         for spelling in ("gpu", "gpu:0", "cuda"):
             with pytest.raises(ad.DeviceError, match="has no GPU"):
-                TorchBackend(device=spelling)
+                ad.backend("torch", device=spelling)
     else:
-        assert {TorchBackend(device=s).device for s in ("gpu", "gpu:0", "cuda", "cuda:0")} == {"cuda:0"}
+        assert {ad.backend("torch", device=s).device for s in ("gpu", "gpu:0", "cuda", "cuda:0")} == {"cuda:0"}
 
 
 # ------------------------------------------------------------------ torch.compile
@@ -445,24 +445,25 @@ def torch_loss(x, A):
 
 
 def test_compile_caches_and_matches_eager():
-    c = TorchBackend(compile="aot_eager")
+    c = ad.backend("torch", compile="aot_eager")
     x = {"w": W0[:, 0].copy(), "s": np.asarray(1.5)}
-    eager = ad.gradient(TorchBackend(), torch_loss, x, A0)
+    eager = ad.gradient(ad.backend("torch"), torch_loss, x, A0)
     g1 = ad.gradient(c, torch_loss, x, A0)
     first = c.compilations
     assert first >= 1
     g2 = ad.gradient(c, torch_loss, {"w": W0[:, 1].copy(), "s": np.asarray(0.5)}, A0)  # same shapes
     assert c.compilations == first  # no retrace
     assert_close(g1, eager, 1e-12, np.float64)
-    assert_close(g2, ad.gradient(TorchBackend(), torch_loss, {"w": W0[:, 1].copy(), "s": np.asarray(0.5)}, A0), 1e-12)
+    x2 = {"w": W0[:, 1].copy(), "s": np.asarray(0.5)}
+    assert_close(g2, ad.gradient(ad.backend("torch"), torch_loss, x2, A0), 1e-12)
     vjp = ad.pullback(c, torch_loss, x, A0)  # a compiled backward may be pulled back twice
     assert_close(vjp(1.0), eager, 1e-12)
     assert_close(vjp(1.0), eager, 1e-12)
-    assert_close(ad.hvp(c, torch_loss, x, x, A0), ad.hvp(TorchBackend(), torch_loss, x, x, A0), 1e-12)
+    assert_close(ad.hvp(c, torch_loss, x, x, A0), ad.hvp(ad.backend("torch"), torch_loss, x, x, A0), 1e-12)
 
 
 def test_compile_control_flow_and_fallback():
-    c = TorchBackend(compile="aot_eager")
+    c = ad.backend("torch", compile="aot_eager")
 
     def branchy(x):  # dynamo breaks the graph here rather than failing
         return torch.sum(x**2) if torch.sum(x) > 0 else torch.sum(x)
@@ -478,10 +479,18 @@ def test_compile_control_flow_and_fallback():
 
 def test_compile_option_validated():
     with pytest.raises(ValueError, match="not a torch.compile backend"):
-        TorchBackend(compile="no-such-backend")
+        ad.backend("torch", compile="no-such-backend")
     with pytest.raises(TypeError, match="compile must be"):
-        TorchBackend(compile=1)  # type: ignore[arg-type]
-    assert TorchBackend(compile="aot_eager").options == {"device": "cpu", "compile": "aot_eager"}
+        ad.backend("torch", compile=1)
+    assert ad.backend("torch", compile="aot_eager").options == {"device": "cpu", "compile": "aot_eager"}
+
+
+def test_backend_holds_the_adapter_and_reuses_traces_follows_compile():
+    compiled, eager = ad.backend("torch", compile="aot_eager"), ad.backend("torch")
+    assert isinstance(compiled.adapter, TorchAdapter) and compiled.adapter.backend is compiled
+    assert compiled.reuses_traces and not eager.reuses_traces  # a compiled trace freezes what f reads
+    assert compiled.compile == "aot_eager" and eager.compile is False  # the adapter's option, through the holder
+    assert eager.compilations == 0 and eager.torch_device == torch.device("cpu")
 
 
 # ------------------------------------------------------------------ GPU parity

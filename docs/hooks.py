@@ -5,8 +5,9 @@ Nothing in the matrix is typed by hand.  At build time this hook reads:
 * the registry's built-in table (``abstractdiff._registry._BUILTIN``): names, adapter
   classes, pip extras;
 * each adapter class's source (parsed with ``ast``, so that no AD library is imported
-  and the docs build where a library is missing): which ``flat_*`` operators it
-  overrides versus :class:`abstractdiff.Backend`, and its ``__init__`` options;
+  and the docs build where a library is missing): which operators it computes natively
+  (its ``fast_routes`` and primitives, or for an older ``ad.Backend`` subclass its ``flat_*``
+  overrides), and its ``__init__`` options;
 * the conformance suite's strict-xfail table (``XFAILS`` in
   ``conformance_tests/test_conformance.py``): the known gaps.
 
@@ -64,7 +65,14 @@ def _class_node(target: str) -> tuple[ast.ClassDef, ast.Module, Path]:
 
 
 def _methods(cls: ast.ClassDef) -> set[str]:
-    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    """The class's methods; for an adapter of the protocol (``abstractdiff.protocol.Adapter``),
+    also the core's ``flat_*`` names its primitives and ``fast_routes`` stand for."""
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if not any(isinstance(b, ast.Name) and b.id == "Adapter" for b in cls.bases):
+        return names
+    routes = _class_constant(cls, "fast_routes") or {}
+    primitives = {m for m in ("value_and_pullback", "value_and_pushforward") if m in names}
+    return names | {f"flat_{m}" for m in primitives} | {f"flat_{op}" for op in routes}
 
 
 def _class_constant(cls: ast.ClassDef, name: str) -> Any:

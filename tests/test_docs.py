@@ -195,11 +195,15 @@ def test_backend_matrix_reads_the_adapters_right() -> None:
         module_name, _, attr = records[name]["target"].partition(":")
         cls = getattr(importlib.import_module(module_name), attr)
         flat = {m for m in vars(cls) if m.startswith("flat_")}
+        routes = getattr(cls, "fast_routes", None)
+        if "Adapter" in [base.__name__ for base in cls.__bases__]:  # of the protocol: its routes and primitives
+            flat |= {f"flat_{op}" for op in routes}
+            flat |= {f"flat_{m}" for m in ("value_and_pullback", "value_and_pushforward") if m in vars(cls)}
         assert flat == {m for m in records[name]["methods"] if m.startswith("flat_")}, name
         params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         read = [o.split("=")[0].lstrip("*") for o in records[name]["options"]]
         assert set(read) <= set(params), (name, read, params)
-    assert "flat_prepare_value_and_gradient" in records["jax"]["methods"]
+    assert "flat_prepare_value_and_gradient" in records["jax"]["methods"]  # a fast route of the protocol
     assert "hvp" in records["implicit"]["refused"]
 
 

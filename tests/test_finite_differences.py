@@ -107,3 +107,35 @@ def test_bfloat16_is_differenced_in_float32_and_returned_in_bfloat16():
     y, g = ad.value_and_gradient(FD, lambda x: anp.sum(x**2), x)
     assert g.dtype == ml_dtypes.bfloat16 and y.dtype == ml_dtypes.bfloat16
     np.testing.assert_allclose(g.astype(np.float32), [2.0, 4.0], rtol=1e-2)
+
+
+def test_the_backend_holds_an_adapter_and_subclasses_still_override_one_operator():
+    """FiniteDifferencesBackend is the core's holder of FiniteDifferencesAdapter; code that
+    subclasses it (the checkers' deliberately wrong backends, the testing guide) keeps working:
+    the subclass's methods and traits win, super() reaches the adapter's, and it is a backend of
+    its own (equality, caches)."""
+    from abstractdiff.adapters.finite_differences import FiniteDifferencesAdapter, FiniteDifferencesBackend
+
+    from abstractdiff._backend import AdapterBackend
+
+    b = ad.backend(FD)
+    assert isinstance(b, FiniteDifferencesBackend) and isinstance(b, AdapterBackend)
+    assert isinstance(b.adapter, FiniteDifferencesAdapter) and not isinstance(b.adapter, ad.Backend)
+    assert b.name == FD and b.approximate is True
+
+    class Doubled(FiniteDifferencesBackend):
+        name = "doubled_fd"
+
+        def flat_value_and_gradient(self, fn, xs, data):
+            y, aux, grads = super().flat_value_and_gradient(fn, xs, data)
+            return y, aux, [2 * g for g in grads]
+
+    d = Doubled()
+    assert d.name == "doubled_fd" and repr(d).startswith("Doubled(device='cpu'")
+    assert d != FiniteDifferencesBackend() and d.cache_key != FiniteDifferencesBackend().cache_key
+    assert FiniteDifferencesBackend() == FiniteDifferencesBackend()
+    np.testing.assert_allclose(ad.gradient(d, f, X64), 2 * grad_f(X64), rtol=1e-9)
+    np.testing.assert_allclose(ad.gradient(b, f, X64), grad_f(X64), rtol=1e-9)  # no cache shared with d
+    # the adapter's second-order routes go through the holder's gradient, a subclass's too
+    np.testing.assert_allclose(np.diag(ad.hessian(d, f, X64)), 2 * hess_diag(X64), rtol=1e-5)
+    assert FiniteDifferencesBackend(compute_dtype=np.float64).options["compute_dtype"] == "float64"

@@ -13,7 +13,7 @@ from abstractdiff._registry import _BUILTIN
 from abstractdiff.protocol import FAST_ROUTES, Adapter
 
 #: Built-in adapters still written as subclasses of ad.Backend (the older design), to move.
-NOT_YET_MOVED = {"finite_differences", "jax", "tensorflow", "torch", "mlx", "paddle", "pytensor"}
+NOT_YET_MOVED: set[str] = set()
 
 
 def _public(cls: type) -> set[str]:
@@ -108,3 +108,14 @@ def test_a_registered_adapter_class_is_held(clean_registry):
     b = ad.backend("squares", chunk_size=3)
     assert isinstance(b, AdapterBackend) and isinstance(b.adapter, Squares) and b.chunk_size == 3
     assert ad.backend("squares", chunk_size=3) is b
+
+
+def test_an_adapter_option_at_its_default_is_the_same_backend():
+    """The holder keys on the adapter's options as the adapter keeps them, defaults included."""
+
+    class Stepped(Squares):
+        def __init__(self, *, device="cpu", step=0.5):
+            super().__init__(device=device, step=step)
+
+    assert AdapterBackend(Stepped) == AdapterBackend(Stepped, step=0.5) != AdapterBackend(Stepped, step=0.25)
+    assert AdapterBackend(Stepped).options == {"device": "cpu", "step": 0.5}
