@@ -68,3 +68,36 @@ def test_registry_and_finite_differences_load_no_ad_library():
     assert {"torch", "jax", "tensorflow", "autograd"} <= set(out["registered"])
     assert "finite_differences" in out["available"]
     assert abs(out["g"][0] - 1.0) < 1e-9 and abs(out["g"][1] + 2.0) < 1e-9
+
+
+def test_importing_an_adapter_registers_no_translation():
+    """The portable tables are applied when a backend is created, never on an adapter's import,
+    and never over numpy's own functions (abstractdiff.portable)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("autograd") is None:
+        pytest.skip("autograd is not installed")
+    out = run_fresh(
+        """
+        import autoray, numpy as np
+        def module_of(lib, name):
+            try:
+                return getattr(autoray.get_lib_fn(lib, name), "__module__", None)
+            except (AttributeError, ImportError):
+                return None
+        import abstractdiff.adapters.autograd  # the adapter module alone
+        from abstractdiff import portable
+        imported = {"applied": sorted(portable.applied()), "logsumexp": module_of("autograd", "logsumexp")}
+        import abstractdiff as ad
+        ad.backend("autograd")
+        created = {"applied": sorted(portable.applied()), "logsumexp": module_of("autograd", "logsumexp"),
+                   "numpy_where_is_numpys": autoray.get_lib_fn("numpy", "where") is np.where}
+        print(json.dumps({"imported": imported, "created": created}))
+        """
+    )
+    assert out["imported"]["applied"] == [] and out["imported"]["logsumexp"] != "abstractdiff.portable.autograd"
+    assert out["created"]["applied"] == ["autograd", "numpy"]
+    assert out["created"]["logsumexp"] == "abstractdiff.portable.autograd"
+    assert out["created"]["numpy_where_is_numpys"]
