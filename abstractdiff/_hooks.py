@@ -15,17 +15,17 @@ a test keeps the two in step).
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import re
-from typing import Any, Callable, ClassVar, ContextManager, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
 from . import portable
-from ._arrays import ar, dtype_name
+from ._arrays import dtype_name
 from ._errors import DeviceError, InvalidArgumentError, NonDifferentiableInputError
 from ._tree import PlanCache, is_float_dtype
+from .protocol import Adapter
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HOOKS", "AdapterHooks", "approximates", "checked_chunk_size", "parse_device"]
 
@@ -234,10 +234,23 @@ class AdapterHooks:
     def has_forward(self) -> bool:
         return type(self).flat_value_and_pushforward is not AdapterHooks.flat_value_and_pushforward
 
-    # ---------------------------------------------------------------- devices
-    def devices(self) -> list[str]:
-        """Names of the devices this backend can run on here (``"cpu"`` first)."""
-        return ["cpu"]
+    # ----------------------------------------------- arrays, devices, pytrees
+    # The numpy defaults of these library facts are the adapter protocol's, one home for each
+    # (abstractdiff.protocol.Adapter, which documents them); an adapter subclassing Backend
+    # overrides them here.
+    devices = Adapter.devices
+    is_native = Adapter.is_native
+    from_numpy = Adapter.from_numpy
+    to_numpy = Adapter.to_numpy
+    from_dlpack = Adapter.from_dlpack
+    numpy_view = Adapter.numpy_view
+    cast = Adapter.cast
+    zeros_like = Adapter.zeros_like
+    ones_like = Adapter.ones_like
+    asarray_like = Adapter.asarray_like
+    snapshot = Adapter.snapshot
+    scope = Adapter.scope
+    is_pytree_node = Adapter.is_pytree_node
 
     def normalise_device(self, device: str | None) -> str:
         """Map a user spelling to a name from :meth:`devices`; the one device parser.
@@ -248,81 +261,6 @@ class AdapterHooks:
         :func:`parse_device` for the spellings accepted.
         """
         return parse_device(device, self.devices(), self.name)
-
-    # ----------------------------------------------------------------- arrays
-    def is_native(self, a: Any) -> bool:
-        """Whether ``a`` is already this backend's array type (traced values included)."""
-        return isinstance(a, np.ndarray)
-
-    def from_numpy(self, a: np.ndarray) -> Any:
-        """A numpy array as a native array on ``self.device``, dtype unchanged."""
-        return a
-
-    def to_numpy(self, a: Any) -> np.ndarray:
-        """A native array (or variable) as a numpy array, outside any autodiff graph."""
-        return np.asarray(a)
-
-    def from_dlpack(self, a: Any) -> Any:
-        """``a`` (a numpy array, or another library's array exporting ``__dlpack__``) as a
-        native array, dtype unchanged, sharing ``a``'s memory where the library imports it
-        by DLPack on ``self.device``, and a copy otherwise (read-only or misaligned memory).
-
-        How a kernel of :func:`abstractdiff.differentiate_with` receives its input.  The
-        array is used before the call returns: no :meth:`snapshot` is needed.
-        """
-        if not isinstance(a, np.ndarray):
-            try:
-                a = np.from_dlpack(a)
-            except (AttributeError, BufferError, RuntimeError, TypeError):
-                a = np.asarray(a)
-        return self.from_numpy(a)
-
-    def numpy_view(self, a: Any) -> np.ndarray:
-        """A native array as numpy sharing its memory where the library allows it (on the
-        CPU), read-only where the library's arrays are immutable; a copy otherwise.
-
-        How a kernel of :func:`abstractdiff.differentiate_with` hands its output back.
-        """
-        return self.to_numpy(a)
-
-    def cast(self, a: Any, dtype: str) -> Any:
-        """Native array ``a`` converted to dtype ``dtype`` (a name such as ``"float32"``)."""
-        return ar().do("astype", a, dtype)
-
-    def zeros_like(self, a: Any) -> Any:
-        return ar().do("zeros_like", a)
-
-    def ones_like(self, a: Any) -> Any:
-        return ar().do("ones_like", a)
-
-    def asarray_like(self, a: np.ndarray, like: Any) -> Any:
-        """Numpy ``a`` as an array of this library on the device of ``like`` (checkpoints)."""
-        return self.from_numpy(a)
-
-    def snapshot(self, a: Any) -> Any:
-        """``a`` as it is now, safe from later in-place changes to the caller's memory.
-
-        A pullback or pushforward is a function of the point it was made at; it may run
-        long after the call, when the caller has written into the array it passed (and
-        numpy inputs often share memory with the native arrays made from them).  Immutable
-        arrays (jax, TensorFlow) return themselves; mutable ones a copy (torch's ``clone``
-        keeps the autodiff graph of nested use).
-        """
-        return a.copy() if isinstance(a, np.ndarray) else a
-
-    def scope(self, arrays: Sequence[Any]) -> ContextManager[Any]:
-        """A context for arithmetic on ``arrays`` outside the operators (the optimisers).
-
-        jax needs its scoped x64 mode there, or float64 arrays silently become float32.
-        """
-        return contextlib.nullcontext()
-
-    # ---------------------------------------------------------------- pytrees
-    def is_pytree_node(self, obj: Any) -> bool:
-        """Whether ``obj`` is a container in the library's own pytree registry (jax.tree_util),
-        which abstractdiff does not flatten: the core then refuses it rather than treating its
-        arrays as static data (register such classes with ``ad.register_pytree_node``)."""
-        return False
 
     # -------------------------------------------------- variables (implicit mode)
     def is_variable(self, v: Any) -> bool:
