@@ -2,8 +2,8 @@
 
 An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("paddle")``
 is the core's backend holding a :class:`PaddleAdapter`.  Its fast routes are the gradient,
-Hessian, second derivative and HVP by ``paddle.grad`` directly, and the core's Jacobian in
-dynamic mode; its variable hooks (:class:`_Variables`) take ``paddle.nn.Layer`` parameters.
+Hessian, second derivative and HVP by ``paddle.grad`` directly; its variable hooks
+(:class:`_Variables`) take ``paddle.nn.Layer`` parameters.
 
 Reverse mode (gradient, pullback, Jacobian rows, Hessian rows, and the Hessian-vector
 product as reverse over reverse) runs ``paddle.grad`` on detached copies of the inputs
@@ -62,7 +62,6 @@ import numpy as np
 import optree
 
 from abstractdiff._arrays import check_scalar
-from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
@@ -480,7 +479,6 @@ class PaddleAdapter(Adapter):
     modules = ("paddle",)
     fast_routes = {
         "value_and_gradient": "value_and_gradient",
-        "jacobian": "jacobian",
         "hessian": "hessian",
         "second_derivative": "second_derivative",
         "hvp": "hvp",
@@ -808,14 +806,8 @@ class PaddleAdapter(Adapter):
         return (*rec.outputs(), self._pushforward(rec, artefacts(fn, self.backend, "double-vjp route")))
 
     # ------------------------------------------------------------ composed
-    @_operator
-    def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
-        # The core's derivation (batched pullbacks, or pushforwards, the fewer), only in dynamic
-        # mode and with paddle's errors translated.  With chunk_size the core's chunks run
-        # unwrapped, which is enough: they compute in scope() (dynamic mode) and each
-        # primitive call translates its own errors.
-        return DerivedOperators.flat_jacobian(self.backend, fn, xs, data)
-
+    # No Jacobian route: the core's (batched pullbacks, or pushforwards, the fewer) joins its
+    # rows in scope() (dynamic mode) and each primitive call translates its own errors.
     @_operator
     def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         # the Jacobian of the gradient, row by row: one double backward per element of x

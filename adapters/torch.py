@@ -280,9 +280,7 @@ class TorchAdapter(Adapter):
         "prepare_jacobian": "prepare_jacobian",
         "hessian": "hessian",
         "hvp": "hvp",
-        "hessian_blocks": "hessian_blocks",
         "value_gradient_and_hessian": "value_gradient_and_hessian",
-        "gradient_and_hvp": "gradient_and_hvp",
         "value_derivative_and_second_derivative": "value_derivative_and_second_derivative",
         "second_derivative": "second_derivative",
     }
@@ -768,15 +766,6 @@ class TorchAdapter(Adapter):
 
     @_explains_numpy_mix
     @_forward_mode
-    def hessian_blocks(self, fn: FlatFn, xs: list, data: list) -> list[list[Any]]:
-        if len(xs) == 1:
-            return [[self.hessian(fn, xs, data)]]
-        argnums = tuple(range(len(xs)))
-        h = torch.func.hessian(self._value_fn(fn, data, "hessian"), argnums=argnums)(*xs)
-        return [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums]
-
-    @_explains_numpy_mix
-    @_forward_mode
     def value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list]:
         # forward over reverse, the value and gradient riding along as aux: one pass
         argnums = tuple(range(len(xs)))
@@ -792,14 +781,6 @@ class TorchAdapter(Adapter):
             [_like(gi, x).detach() for gi, x in zip(g, xs)],
             [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums],
         )
-
-    @_explains_numpy_mix
-    @_forward_mode
-    def gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:
-        # one jvp of the gradient function: its primal output is the gradient
-        grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
-        g, hv = _grad_and_hvp(grad, xs, tangents)
-        return [_like(gi, x) for gi, x in zip(g, xs)], [_like(h, x) for h, x in zip(hv, xs)]
 
     @_explains_numpy_mix
     @_forward_mode

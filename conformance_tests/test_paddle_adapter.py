@@ -699,23 +699,23 @@ _STATIC_MODE_CHUNKS = """
 import numpy as np, paddle
 import abstractdiff as ad
 from autoray import numpy as anp
-b = ad.backend("paddle", chunk_size=2)
 x = np.array([0.5, 1.0, 2.0])
-paddle.enable_static()
-try:
-    J = ad.jacobian(b, lambda x: anp.sin(x) * anp.sum(x**2), x)
-    H = ad.hessian(b, lambda x: anp.sum(anp.sin(x) * x), x)
-    assert not paddle.in_dynamic_mode()
-finally:
-    paddle.disable_static()
-np.testing.assert_allclose(J.numpy(), np.diag(np.cos(x)) * np.sum(x**2) + 2 * np.outer(np.sin(x), x), rtol=1e-12)
-np.testing.assert_allclose(H.numpy(), np.diag(2 * np.cos(x) - x * np.sin(x)), rtol=1e-12)
+for b in (ad.backend("paddle", chunk_size=2), ad.backend("paddle")):  # chunked, and in one chunk
+    paddle.enable_static()
+    try:
+        J = ad.jacobian(b, lambda x: anp.sin(x) * anp.sum(x**2), x)
+        H = ad.hessian(b, lambda x: anp.sum(anp.sin(x) * x), x)
+        assert not paddle.in_dynamic_mode()
+    finally:
+        paddle.disable_static()
+    np.testing.assert_allclose(J.numpy(), np.diag(np.cos(x)) * np.sum(x**2) + 2 * np.outer(np.sin(x), x), rtol=1e-12)
+    np.testing.assert_allclose(H.numpy(), np.diag(2 * np.cos(x) - x * np.sin(x)), rtol=1e-12)
 print("ok")
 """
 
 
 def test_the_cores_chunks_run_in_dynamic_mode_under_a_users_static_mode():
-    """With chunk_size set, the core's chunked Jacobian slices and joins paddle tensors: inside
+    """The core's Jacobian (with chunk_size set, in chunks) slices and joins paddle tensors: inside
     the adapter's scope (dynamic mode), or paddle 3.3 crashes the process under the user's
     static mode.  In a subprocess, because the failure is a segfault."""
     proc = subprocess.run([sys.executable, "-c", _STATIC_MODE_CHUNKS], capture_output=True, text=True, timeout=300)
