@@ -7,7 +7,7 @@ differentiates.  ``g`` looks at the arrays it receives, finds the caller's libra
 through the registry (:func:`abstractdiff._registry.backend_for`), and hands that
 library a function whose value, pullback and pushforward ``backend`` computes, through
 the caller's own custom-derivative mechanism: the caller adapter's one custom-derivative
-hook, :meth:`~abstractdiff._hooks.AdapterHooks.custom_function` (``torch.autograd.Function``,
+hook, :meth:`~abstractdiff.protocol.Adapter.custom_function` (``torch.autograd.Function``,
 ``jax.custom_jvp`` with ``jax.pure_callback``, ``tf.custom_gradient`` with
 ``tf.numpy_function``, autograd's ``primitive``...).  :func:`boundary` builds the five
 functions of the boundary on it, with their derivative rules and refusals, once for every
@@ -263,7 +263,7 @@ def boundary_error(kernel: ForeignKernel, caller: str, order: int, remedy: str =
 
 def boundary(kernel: ForeignKernel, caller: Any) -> Callable[[Any], Any]:
     """``kernel`` as a function of one flat array of ``caller``'s library, on its
-    :meth:`~abstractdiff._hooks.AdapterHooks.custom_function` hook: five custom functions.
+    :meth:`~abstractdiff.protocol.Adapter.custom_function` hook: five custom functions.
 
     * ``value(x)``: its pullback is ``pullback(x, dy)``, its pushforward ``pushforward(x, dx)``;
     * ``pullback(x, dy) = f'(x)^T dy``: linear in ``dy``, where its derivative is ``pushforward``

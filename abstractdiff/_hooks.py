@@ -333,35 +333,7 @@ class AdapterHooks:
         return type(self).implicit_value_and_gradient is not AdapterHooks.implicit_value_and_gradient
 
     # ------------------------------------------------------------- composition
-    def custom_function(
-        self,
-        value: Callable[..., np.ndarray],
-        vjps: Sequence[Callable[..., Any]],
-        jvps: Sequence[Callable[..., Any]],
-        out: tuple[int, str],
-    ) -> Callable[..., Any]:
-        """The custom-derivative hook: a function of 1-D arrays of this library whose value is
-        ``value`` and whose derivatives are the rules given, through the library's own mechanism
-        (``torch.autograd.Function``, ``jax.custom_jvp``, ``tf.custom_gradient``, autograd's
-        ``primitive``, ``mx.custom_function``, paddle's ``PyLayer``, a PyTensor ``Op``).
-
-        * ``value(*inputs)`` takes the inputs' values as 1-D numpy arrays and returns a 1-D
-          numpy array of ``out = (size, dtype)``: it runs outside the library (a callback
-          where the library traces);
-        * ``vjps[i](cotangent, *inputs)`` is the cotangent of ``inputs[i]`` and
-          ``jvps[i](tangent, *inputs)`` the output's tangent along ``inputs[i]``'s tangent:
-          they take and return this library's arrays and call other custom functions, so
-          the library differentiates them in turn.  A rule may raise
-          :class:`~abstractdiff.CompositionError` (a derivative the caller does not carry).
-
-        Where the mechanism cannot carry a rule (reverse mode only, or no derivative of a rule
-        with respect to a primal input), the function must raise
-        :class:`~abstractdiff.CompositionError` (:func:`abstractdiff._compose.boundary_error`)
-        when that derivative is asked for, never give a silently zero one.  The core builds
-        :func:`abstractdiff.differentiate_with`'s value, pullback, pushforward and second
-        derivatives on this hook (:func:`abstractdiff._compose.boundary`).
-        """
-        raise NotImplementedError
+    custom_function = Adapter.custom_function  # the protocol's hook, documented there
 
     @property
     def has_custom_function(self) -> bool:
