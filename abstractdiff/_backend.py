@@ -45,7 +45,7 @@ from ._tree import (
     is_array,
     unflattened_container_error,
 )
-from .protocol import FAST_ROUTES
+from .protocol import FAST_ROUTES, Adapter
 
 __all__ = [
     "AdapterBackend", "Backend", "GradientDotTangent", "GradientFunction", "check_scalar", "dtype_name", "shape_of",
@@ -401,8 +401,6 @@ _VARIABLE_HOOKS = (
 
 
 def _overrides(adapter: Any, method: str) -> bool:
-    from .protocol import Adapter
-
     return getattr(type(adapter), method) is not getattr(Adapter, method)
 
 
@@ -460,9 +458,10 @@ class AdapterBackend(Backend):
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names the backend does not have: the adapter's own attributes
-        if name.startswith("__") or name == "adapter":
+        adapter = self.__dict__.get("adapter")
+        if adapter is None or name.startswith("__"):  # not yet made (inside __init__), or a dunder
             raise AttributeError(name)
-        return getattr(self.__dict__["adapter"] if "adapter" in self.__dict__ else object(), name)
+        return getattr(adapter, name)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
