@@ -11,6 +11,7 @@ backend is first created.
 
 from __future__ import annotations
 
+from . import _operators, _prepare
 from ._backend import Backend
 from ._batch import Batch
 from ._compose import differentiate_with
@@ -39,7 +40,9 @@ from ._errors import (
     UnknownBackendError,
     UnknownVariableError,
 )
-from ._operators import (
+
+# the operators and their prepare_ twins: __all__ takes their names from the operator table
+from ._operators import (  # noqa: F401 (in __all__ through the module's)
     derivative,
     gradient,
     gradient_and_hvp,
@@ -57,7 +60,7 @@ from ._operators import (
     value_derivative_and_second_derivative,
     value_gradient_and_hessian,
 )
-from ._prepare import (  # already imported by the backend module: nothing to defer
+from ._prepare import (  # noqa: F401 (as above; already imported by the backend module)
     prepare_derivative,
     prepare_gradient,
     prepare_gradient_and_hvp,
@@ -139,22 +142,6 @@ __all__ = [
     "load_checkpoint",
     "optim",
     "StepInfo",
-    "prepare_derivative",
-    "prepare_gradient",
-    "prepare_hessian",
-    "prepare_hvp",
-    "prepare_jacobian",
-    "prepare_pullback",
-    "prepare_pushforward",
-    "prepare_value_and_gradient",
-    "prepare_value_and_pullback",
-    "prepare_value_and_pushforward",
-    "prepare_gradient_and_hvp",
-    "prepare_second_derivative",
-    "prepare_value_and_derivative",
-    "prepare_value_and_jacobian",
-    "prepare_value_derivative_and_second_derivative",
-    "prepare_value_gradient_and_hessian",
     "save_checkpoint",
     "testing",
     "train",
@@ -180,25 +167,11 @@ __all__ = [
     "UnknownBackendError",
     "available_backends",
     "backend",
-    "derivative",
     "differentiate_with",
-    "gradient",
-    "hessian",
-    "hvp",
-    "jacobian",
-    "pullback",
-    "pushforward",
     "register_backend",
     "register_pytree_node",
     "registered_backends",
     "to_numpy",
-    "value_and_gradient",
-    "value_and_pullback",
-    "value_and_pushforward",
-    "gradient_and_hvp",
-    "second_derivative",
-    "value_and_derivative",
-    "value_and_jacobian",
-    "value_derivative_and_second_derivative",
-    "value_gradient_and_hessian",
+    *_operators.__all__,
+    *_prepare.__all__,
 ]

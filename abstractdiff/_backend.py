@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import optree
 
+from . import _prepare as _prep
 from ._arrays import check_scalar, dtype_name, shape_of, size_of
 from ._batch import Batch
 from ._captures import capture_guard
@@ -34,6 +35,7 @@ from ._errors import (
     ShapeMismatchError,
 )
 from ._hooks import parse_device
+from ._operator_table import OPERATORS
 from ._prepare import PREPARATIONS, PREPARED, TANGENT_OPERATORS, Preparation, Prepared
 from ._registry import hold_adapters_in
 from ._tree import (
@@ -45,7 +47,7 @@ from ._tree import (
     is_array,
     unflattened_container_error,
 )
-from .protocol import FAST_ROUTES, Adapter
+from .protocol import FAST_ROUTES, JACOBIAN_ROUTES, PER_CALL_ROUTES, PRIMITIVES, Adapter
 
 __all__ = [
     "AdapterBackend", "Backend", "GradientDotTangent", "GradientFunction", "check_scalar", "dtype_name", "shape_of",
@@ -309,85 +311,76 @@ class Backend(DerivedOperators):
         self, f: Callable[..., Any], x: PyTree, *args: Any, has_aux: bool = False
     ) -> tuple[Any, PyTree]:
         """``(y, g)``, or ``((y, aux), g)`` with ``has_aux``; see :func:`abstractdiff.value_and_gradient`."""
-        return self._unprepared(PREPARATIONS["value_and_gradient"], f, x, args, (), has_aux)
+        return self._unprepared(_prep.ValueAndGradientPrep, f, x, args, (), has_aux)
 
     def gradient(self, f: Callable[..., Any], x: PyTree, *args: Any, has_aux: bool = False) -> Any:
         """``g``, or ``(g, aux)`` with ``has_aux``; see :func:`abstractdiff.gradient`."""
-        return self._unprepared(PREPARATIONS["gradient"], f, x, args, (), has_aux)
+        return self._unprepared(_prep.GradientPrep, f, x, args, (), has_aux)
 
     def value_and_pullback(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, Callable]:
         """``(y, vjp)`` with ``vjp(dy) -> dx``; see :func:`abstractdiff.value_and_pullback`."""
-        return self._unprepared(PREPARATIONS["value_and_pullback"], f, x, args)
+        return self._unprepared(_prep.ValueAndPullbackPrep, f, x, args)
 
     def pullback(self, f: Callable[..., Any], x: PyTree, *args: Any) -> Callable:
         """``vjp`` with ``vjp(dy) -> dx``; see :func:`abstractdiff.pullback`."""
-        return self._unprepared(PREPARATIONS["pullback"], f, x, args)
+        return self._unprepared(_prep.PullbackPrep, f, x, args)
 
     def value_and_pushforward(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, Callable]:
         """``(y, jvp)`` with ``jvp(dx) -> dy``; see :func:`abstractdiff.value_and_pushforward`."""
-        return self._unprepared(PREPARATIONS["value_and_pushforward"], f, x, args)
+        return self._unprepared(_prep.ValueAndPushforwardPrep, f, x, args)
 
     def pushforward(self, f: Callable[..., Any], x: PyTree, *args: Any) -> Callable:
         """``jvp`` with ``jvp(dx) -> dy``; see :func:`abstractdiff.pushforward`."""
-        return self._unprepared(PREPARATIONS["pushforward"], f, x, args)
+        return self._unprepared(_prep.PushforwardPrep, f, x, args)
 
     def derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> Any:
         """``dy/dx`` for scalar ``x``, shaped like ``y``; see :func:`abstractdiff.derivative`."""
-        return self._unprepared(PREPARATIONS["derivative"], f, x, args)
+        return self._unprepared(_prep.DerivativePrep, f, x, args)
 
     def jacobian(self, f: Callable[..., Any], x: PyTree, *args: Any) -> PyTree:
         """Tree shaped like ``x`` of ``y.shape + leaf.shape`` arrays; see :func:`abstractdiff.jacobian`."""
-        return self._unprepared(PREPARATIONS["jacobian"], f, x, args)
+        return self._unprepared(_prep.JacobianPrep, f, x, args)
 
     def hessian(self, f: Callable[..., Any], x: PyTree, *args: Any) -> PyTree:
         """``x.shape + x.shape`` Hessian of scalar ``f``; see :func:`abstractdiff.hessian`."""
-        return self._unprepared(PREPARATIONS["hessian"], f, x, args)
+        return self._unprepared(_prep.HessianPrep, f, x, args)
 
     def hvp(self, f: Callable[..., Any], x: PyTree, v: PyTree, *args: Any) -> PyTree:
         """Hessian-vector product shaped like ``x``; see :func:`abstractdiff.hvp`."""
-        return self._unprepared(PREPARATIONS["hvp"], f, x, args, (v,))
+        return self._unprepared(_prep.HvpPrep, f, x, args, (v,))
 
     def value_and_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any]:
         """``(y, dy/dx)`` for scalar ``x``; see :func:`abstractdiff.value_and_derivative`."""
-        return self._unprepared(PREPARATIONS["value_and_derivative"], f, x, args)
+        return self._unprepared(_prep.ValueAndDerivativePrep, f, x, args)
 
     def second_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> Any:
         """``d2y/dx2`` for scalar ``x``, shaped like ``y``; see :func:`abstractdiff.second_derivative`."""
-        return self._unprepared(PREPARATIONS["second_derivative"], f, x, args)
+        return self._unprepared(_prep.SecondDerivativePrep, f, x, args)
 
     def value_derivative_and_second_derivative(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Any, Any]:
         """``(y, dy/dx, d2y/dx2)`` for scalar ``x``; see :func:`abstractdiff.value_derivative_and_second_derivative`."""
-        return self._unprepared(PREPARATIONS["value_derivative_and_second_derivative"], f, x, args)
+        return self._unprepared(_prep.ValueDerivativeAndSecondDerivativePrep, f, x, args)
 
     def value_and_jacobian(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, PyTree]:
         """``(y, J)``; see :func:`abstractdiff.value_and_jacobian`."""
-        return self._unprepared(PREPARATIONS["value_and_jacobian"], f, x, args)
+        return self._unprepared(_prep.ValueAndJacobianPrep, f, x, args)
 
     def value_gradient_and_hessian(self, f: Callable[..., Any], x: PyTree, *args: Any) -> tuple[Any, PyTree, PyTree]:
         """``(y, g, H)`` of scalar ``f``; see :func:`abstractdiff.value_gradient_and_hessian`."""
-        return self._unprepared(PREPARATIONS["value_gradient_and_hessian"], f, x, args)
+        return self._unprepared(_prep.ValueGradientAndHessianPrep, f, x, args)
 
     def gradient_and_hvp(self, f: Callable[..., Any], x: PyTree, v: PyTree, *args: Any) -> tuple[PyTree, PyTree]:
         """``(g, H @ v)``, both shaped like ``x``; see :func:`abstractdiff.gradient_and_hvp`."""
-        return self._unprepared(PREPARATIONS["gradient_and_hvp"], f, x, args, (v,))
+        return self._unprepared(_prep.GradientAndHvpPrep, f, x, args, (v,))
 
 
 #: The core's public operator functions and methods, for adapters of libraries that
 #: rewrite the code they call (TensorFlow's autograph marks them to be left alone).
-OPERATOR_METHODS = (
-    "value_and_gradient", "gradient", "value_and_pullback", "pullback", "value_and_pushforward",
-    "pushforward", "derivative", "jacobian", "hessian", "hvp", "value_and_derivative", "second_derivative",
-    "value_derivative_and_second_derivative", "value_and_jacobian", "value_gradient_and_hessian", "gradient_and_hvp",
-    "_unprepared", "asarray", "convert",
-)
+OPERATOR_METHODS = (*OPERATORS, "_unprepared", "asarray", "convert")
 
 
 # ---------------------------------------------------------------------------------------
 # The backend holding an adapter (abstractdiff.protocol.Adapter)
-#: Fast routes that build a whole Jacobian: taken only when chunk_size is None (chunking is the core's).
-_JACOBIAN_ROUTES = frozenset({
-    "prepare_jacobian", "jacobian", "hessian", "hessian_blocks", "value_gradient_and_hessian",
-})
 #: The array, device and pytree hooks the holder takes from its adapter as they are.
 _ADAPTER_HOOKS = (
     "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",
@@ -398,6 +391,15 @@ _VARIABLE_HOOKS = (
     "is_variable", "check_variable", "model_variables", "model_state", "read", "write", "current_value",
     "new_variable", "swap", "aliases", "implicit_value_and_gradient", "implicit_value_and_pullback",
 )
+
+
+
+
+def _run_prepared(prepare: Callable[..., Any]) -> Callable[..., Any]:
+    def per_call(fn: Any, xs: list, data: list, *extra: Any) -> Any:
+        return prepare(fn, xs, data)(xs, data, *extra)
+
+    return per_call
 
 
 def _overrides(adapter: Any, method: str) -> bool:
@@ -431,8 +433,7 @@ class AdapterBackend(Backend):
             for hook in _VARIABLE_HOOKS:
                 if hasattr(adapter.variables, hook):
                     setattr(self, hook, getattr(adapter.variables, hook))
-        for primitive in ("value_and_pullback", "value_and_pushforward", "value_and_batched_pullback",
-                          "value_and_batched_pushforward"):
+        for primitive in PRIMITIVES:
             if _overrides(adapter, primitive):
                 setattr(self, f"flat_{primitive}", getattr(adapter, primitive))
         if _overrides(adapter, "custom_function"):
@@ -449,9 +450,14 @@ class AdapterBackend(Backend):
                     f"{adapter_class.__name__}.fast_routes names {operator!r}, which has no fast route; "
                     f"operators with one: {', '.join(FAST_ROUTES)}"
                 )
-            if self.chunk_size is not None and operator in _JACOBIAN_ROUTES:
+            if self.chunk_size is not None and operator in JACOBIAN_ROUTES:
                 continue  # the core's chunks of batched primitive calls
             setattr(self, f"flat_{operator}", getattr(adapter, method))
+        # DI's pair: a route given only in its prepare form serves the per-call form too
+        # (prepare, then run), so an adapter writes each route once
+        for operator, per_call in PER_CALL_ROUTES.items():
+            if operator in adapter.fast_routes and per_call not in adapter.fast_routes:
+                setattr(self, f"flat_{per_call}", _run_prepared(getattr(adapter, adapter.fast_routes[operator])))
 
     def normalise_device(self, device: str | None) -> str:
         return parse_device(device, self.devices(), self.name)
@@ -484,11 +490,11 @@ class AdapterBackend(Backend):
 
     @property
     def has_reverse(self) -> bool:
-        return _overrides(self.adapter, "value_and_pullback")
+        return _overrides(self.adapter, PRIMITIVES[0])  # value_and_pullback
 
     @property
     def has_forward(self) -> bool:
-        return _overrides(self.adapter, "value_and_pushforward")
+        return _overrides(self.adapter, PRIMITIVES[1])  # value_and_pushforward
 
     @property
     def has_custom_function(self) -> bool:

@@ -274,8 +274,8 @@ def boundary(kernel: ForeignKernel, caller: Any) -> Callable[[Any], Any]:
       (``f''(x)[v, w]``): bilinear in their last two operands, where their derivatives are each
       other; their derivatives with respect to ``x``, third ones, raise :func:`boundary_error`.
 
-    The rules refer to each other by name, so the cycle pullback <-> pushforward is closed
-    after all five are made.
+    The rules refer to each other by name (the kernel's: ``vjp``, ``jvp``...), so the cycle
+    pullback <-> pushforward is closed after all five are made.
     """
     custom = caller.custom_function
     nodes: dict[str, Callable[..., Any]] = {}
@@ -286,7 +286,7 @@ def boundary(kernel: ForeignKernel, caller: Any) -> Callable[[Any], Any]:
     def call(name: str) -> Callable[..., Any]:
         return lambda *arrays: nodes[name](*arrays)
 
-    second_vjp, second_jvp, pullback, pushforward = map(call, ("second_vjp", "second_jvp", "pullback", "pushforward"))
+    second_vjp, second_jvp, pullback, pushforward = map(call, ("second_vjp", "second_jvp", "vjp", "jvp"))
     into_x, into_y = (kernel.in_size, kernel.in_dtype), (kernel.out_size, kernel.out_dtype)
     # The second derivatives are bilinear in their last two operands: derivatives there are
     # second derivatives again (a library whose forward mode is two pullbacks, PyTensor's and
@@ -303,13 +303,13 @@ def boundary(kernel: ForeignKernel, caller: Any) -> Callable[[Any], Any]:
         (refuse, lambda t, x, v, w: second_jvp(x, t, w), lambda t, x, v, w: second_jvp(x, v, t)),
         into_y,
     )
-    nodes["pullback"] = custom(
+    nodes["vjp"] = custom(
         kernel.vjp,
         (lambda u, x, dy: second_vjp(x, dy, u), lambda u, x, dy: pushforward(x, u)),
         (lambda t, x, dy: second_vjp(x, dy, t), lambda t, x, dy: pullback(x, t)),
         into_x,
     )
-    nodes["pushforward"] = custom(
+    nodes["jvp"] = custom(
         kernel.jvp,
         (lambda w, x, dx: second_vjp(x, w, dx), lambda w, x, dx: pullback(x, w)),
         (lambda t, x, dx: second_jvp(x, dx, t), lambda t, x, dx: pushforward(x, t)),

@@ -357,7 +357,7 @@ class DerivedOperators(AdapterHooks):
     def flat_value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list[list[Any]]]:
         """``(y, grads, blocks)``: the value and gradient, and :meth:`flat_hessian_blocks`."""
         y, _, grads = self.flat_value_and_gradient(fn, xs, data)
-        check_scalar(y, "value_gradient_and_hessian")
+        check_scalar(y)
         return y, self.complete(grads, xs), self.flat_hessian_blocks(fn, xs, data)
 
     def flat_gradient_and_hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> tuple[list, list]:

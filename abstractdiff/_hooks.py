@@ -25,7 +25,7 @@ from . import portable
 from ._arrays import dtype_name
 from ._errors import DeviceError, InvalidArgumentError, NonDifferentiableInputError
 from ._tree import PlanCache, is_float_dtype
-from .protocol import Adapter
+from .protocol import FAST_ROUTES, PRIMITIVES, Adapter
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HOOKS", "AdapterHooks", "approximates", "checked_chunk_size", "parse_device"]
 
@@ -73,24 +73,11 @@ def parse_device(device: Any, available: Sequence[str], backend: str = "backend"
 #: Every hook an adapter may implement, by group, in the order the adapter guide lists them.
 HOOKS: dict[str, tuple[str, ...]] = {
     "traits": ("name", "extra", "modules", "approximate", "implicit", "reuses_traces"),
-    "primitives": ("flat_value_and_pullback", "flat_value_and_pushforward"),
+    "primitives": tuple(f"flat_{p}" for p in PRIMITIVES[:2]),
+    # the operators an adapter may route itself (protocol.FAST_ROUTES), the compile step, and
+    # the batched primitives
     "fast routes": (
-        "flat_value_and_gradient",
-        "flat_prepare_value_and_gradient",
-        "direct_prepared",
-        "flat_jacobian",
-        "flat_prepare_jacobian",
-        "flat_hessian",
-        "flat_hvp",
-        "flat_prepare_hvp",
-        "flat_value_and_derivative",
-        "flat_second_derivative",
-        "flat_value_derivative_and_second_derivative",
-        "flat_hessian_blocks",
-        "flat_value_gradient_and_hessian",
-        "flat_gradient_and_hvp",
-        "flat_value_and_batched_pushforward",
-        "flat_value_and_batched_pullback",
+        *(f"flat_{route}" for route in FAST_ROUTES), "direct_prepared", *(f"flat_{p}" for p in PRIMITIVES[2:]),
     ),
     "arrays": (
         "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",

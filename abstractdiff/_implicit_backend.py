@@ -46,6 +46,7 @@ from ._errors import (
     ShapeMismatchError,
 )
 from ._implicit import BOXES, Grads, Params, Variable, _reads
+from ._operator_table import OPERATORS, operators_where
 from ._prepare import PREPARED, Signature
 from ._registry import _lookup
 from ._registry import backend as _backend
@@ -54,12 +55,8 @@ from ._tree import _weak_callable, flatten_call, is_array
 __all__ = ["Implicit", "IMPLICIT_OPERATORS"]
 
 #: The operators of implicit mode; the others need an explicit x (the error says which backend).
-IMPLICIT_OPERATORS = ("gradient", "value_and_gradient", "pullback", "value_and_pullback")
-_EXPLICIT_ONLY = (
-    "value_and_pushforward", "pushforward", "derivative", "jacobian", "hessian", "hvp", "value_and_derivative",
-    "second_derivative", "value_derivative_and_second_derivative", "value_and_jacobian",
-    "value_gradient_and_hessian", "gradient_and_hvp",
-)
+IMPLICIT_OPERATORS = operators_where(implicit=True)
+_EXPLICIT_ONLY = operators_where(implicit=False)
 
 
 class _Seen(threading.local):
@@ -335,17 +332,24 @@ class Implicit(Backend):
 
     # ------------------------------------------------------------ operators
     def run(self, operator: str, f: Callable[..., Any], ps: Params, args: tuple, has_aux: bool = False) -> Any:
-        """One implicit operator on checked ``Params``: what prepared and unprepared calls share."""
-        if operator in ("gradient", "value_and_gradient"):
-            if self._native_route(ps):
-                y, aux, grads = self.inner.implicit_value_and_gradient(f, list(ps), self._native(args), has_aux)
-            else:
-                _, (out, grads) = self._swap_run(self.inner.value_and_gradient, f, ps, *args, has_aux=has_aux)
-                y, aux = out if has_aux else (out, None)
-            gs = Grads(ps, list(grads))
-            if operator == "gradient":
-                return (gs, aux) if has_aux else gs
+        """One implicit operator, by name, on checked ``Params``: what prepared calls run."""
+        op = OPERATORS[operator]
+        if op.takes_aux:  # of implicit mode's operators, the gradients (Grads, and aux)
+            return self._gradient(f, ps, args, has_aux, op.with_value)
+        return self._pullback(f, ps, args, op.with_value)
+
+    def _gradient(self, f: Callable[..., Any], ps: Params, args: tuple, has_aux: bool, with_value: bool) -> Any:
+        if self._native_route(ps):
+            y, aux, grads = self.inner.implicit_value_and_gradient(f, list(ps), self._native(args), has_aux)
+        else:
+            _, (out, grads) = self._swap_run(self.inner.value_and_gradient, f, ps, *args, has_aux=has_aux)
+            y, aux = out if has_aux else (out, None)
+        gs = Grads(ps, list(grads))
+        if with_value:
             return ((y, aux), gs) if has_aux else (y, gs)
+        return (gs, aux) if has_aux else gs
+
+    def _pullback(self, f: Callable[..., Any], ps: Params, args: tuple, with_value: bool) -> Any:
         w = None
         if self._native_route(ps):
             y, vjp = self.inner.implicit_value_and_pullback(f, list(ps), self._native(args))
@@ -358,7 +362,7 @@ class Implicit(Backend):
         # the explicit wrapper holds f weakly, and its family may drop it: a pullback that
         # calls f again (finite differences) needs both
         pullback.f, pullback.wrapper = f, w  # type: ignore[attr-defined]
-        return pullback if operator == "pullback" else (y, pullback)
+        return (y, pullback) if with_value else pullback
 
     def _checked(self, f: Callable[..., Any], x: Any) -> Params:
         ps = self.params(x)
@@ -368,19 +372,19 @@ class Implicit(Backend):
 
     def value_and_gradient(self, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> tuple[Any, Grads]:
         """``(y, gs)`` or ``((y, aux), gs)``; see :func:`abstractdiff.value_and_gradient`."""
-        return self.run("value_and_gradient", f, self._checked(f, x), args, has_aux)
+        return self._gradient(f, self._checked(f, x), args, has_aux, with_value=True)
 
     def gradient(self, f: Callable[..., Any], x: Any, *args: Any, has_aux: bool = False) -> Any:
         """``gs`` or ``(gs, aux)``; see :func:`abstractdiff.gradient`."""
-        return self.run("gradient", f, self._checked(f, x), args, has_aux)
+        return self._gradient(f, self._checked(f, x), args, has_aux, with_value=False)
 
     def value_and_pullback(self, f: Callable[..., Any], x: Any, *args: Any) -> tuple[Any, Callable[[Any], Grads]]:
         """``(y, vjp)`` with ``vjp(dy) -> Grads``; see :func:`abstractdiff.value_and_pullback`."""
-        return self.run("value_and_pullback", f, self._checked(f, x), args)
+        return self._pullback(f, self._checked(f, x), args, with_value=True)
 
     def pullback(self, f: Callable[..., Any], x: Any, *args: Any) -> Callable[[Any], Grads]:
         """``vjp`` with ``vjp(dy) -> Grads``; see :func:`abstractdiff.pullback`."""
-        return self.run("pullback", f, self._checked(f, x), args)
+        return self._pullback(f, self._checked(f, x), args, with_value=False)
 
     def prepare(
         self, operator: str, f: Callable[..., Any], x: Any, args: tuple = (), *, has_aux: bool = False,

@@ -11,26 +11,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._backend import Backend
+from ._operator_table import OPERATORS
 from ._registry import backend as _get_backend
 
-__all__ = [
-    "derivative",
-    "gradient",
-    "gradient_and_hvp",
-    "hessian",
-    "hvp",
-    "jacobian",
-    "pullback",
-    "pushforward",
-    "second_derivative",
-    "value_and_derivative",
-    "value_and_gradient",
-    "value_and_jacobian",
-    "value_and_pullback",
-    "value_and_pushforward",
-    "value_derivative_and_second_derivative",
-    "value_gradient_and_hessian",
-]
+__all__ = list(OPERATORS)
 
 
 def _b(b: Backend | str) -> Backend:

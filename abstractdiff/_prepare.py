@@ -32,26 +32,10 @@ from ._arrays import check_scalar, dtype_name, shape_of
 from ._batch import Batch, BatchedPullback, BatchedPushforward
 from ._captures import CaptureWatch
 from ._errors import ShapeMismatchError
+from ._operator_table import OPERATORS, operators_where
 from ._tree import _LEAF_ARRAY_TYPES, _LEAF_TREEDEF, FlatFunction, _static_key, is_array
 
-__all__ = [
-    "prepare_derivative",
-    "prepare_gradient",
-    "prepare_gradient_and_hvp",
-    "prepare_hessian",
-    "prepare_hvp",
-    "prepare_jacobian",
-    "prepare_pullback",
-    "prepare_pushforward",
-    "prepare_second_derivative",
-    "prepare_value_and_derivative",
-    "prepare_value_and_gradient",
-    "prepare_value_and_jacobian",
-    "prepare_value_and_pullback",
-    "prepare_value_and_pushforward",
-    "prepare_value_derivative_and_second_derivative",
-    "prepare_value_gradient_and_hessian",
-]
+__all__ = [op.prepare_name for op in OPERATORS.values()]
 
 
 # ------------------------------------------------------------- preparations
@@ -652,7 +636,7 @@ PREPARED: dict[str, type[Prepared]] = {
 }
 
 #: The operators whose prepared form is called ``prepared(x, v, *args)``.
-TANGENT_OPERATORS = frozenset({"hvp", "gradient_and_hvp"})
+TANGENT_OPERATORS = frozenset(operators_where(takes_tangent=True))
 
 
 def _backend(b: Any) -> Any:

@@ -29,6 +29,7 @@ from ._backend import Backend
 from ._derived import DerivedOperators, GradientFunction
 from ._errors import ArgumentTypeError, InvalidArgumentError
 from ._hooks import HOOKS, approximates
+from ._operator_table import operators_where
 from ._tree import HasArtefacts, PlanCache, artefacts
 
 __all__ = ["SecondOrder"]
@@ -38,7 +39,6 @@ FlatFn = Callable[[list, list], tuple]
 #: The flat methods ``SecondOrder`` computes itself; every other second-order one the core
 #: derives from these, and every first-order one is ``inner``'s.
 SECOND_ORDER_METHODS = ("flat_hessian", "flat_hessian_blocks", "flat_hvp", "flat_second_derivative")
-_SECOND_ORDER_MARKS = ("hessian", "hvp", "second")
 
 
 # --------------------------------------------------------- flat functions of inner
@@ -222,7 +222,7 @@ class SecondOrder(Backend):
         """Hessian of scalar ``fn`` of one input: ``outer``'s Jacobian of ``inner``'s gradient."""
         if self._through_numpy:
             return self.flat_hessian_blocks(fn, xs, data)[0][0]
-        grad = self._wrapper(fn, "gradient", lambda: GradientFunction(self.inner, fn))
+        grad = self._wrapper(fn, "gradient function", lambda: GradientFunction(self.inner, fn))
         return self.outer.flat_jacobian(grad, xs, data)[1][0]
 
     def flat_hessian_blocks(self, fn: FlatFn, xs: list, data: list) -> list[list[Any]]:
@@ -254,7 +254,7 @@ class SecondOrder(Backend):
             hv = np.asarray(jvp(self._numpy(tangents)))
             return [self._native(h, x) for h, x in zip(_split(hv, xs), xs)]
         if outer.has_forward and len(xs) == 1:
-            grad = self._wrapper(fn, "gradient", lambda: GradientFunction(self.inner, fn))
+            grad = self._wrapper(fn, "gradient function", lambda: GradientFunction(self.inner, fn))
             _, _, jvp = outer.flat_value_and_pushforward(grad, xs, data)
             return [jvp(list(tangents))]
         n = len(data)
@@ -277,7 +277,7 @@ class SecondOrder(Backend):
             # route its library supports (paddle's is reverse over reverse: its forward over
             # forward fails for sin and pow)
             return self.outer.flat_second_derivative(fn, xs, data)
-        d = self._wrapper(fn, "derivative", lambda: _Derivative(self.inner, fn))
+        d = self._wrapper(fn, "derivative function", lambda: _Derivative(self.inner, fn))
         return _derivative(self.outer, d, xs, data)
 
 
@@ -306,7 +306,7 @@ def _first_order_methods() -> list[str]:
     core's derived defaults must not run on ``SecondOrder`` and bypass ``inner``'s own)."""
     return [
         name for name in dir(Backend)
-        if name.startswith("flat_") and not any(mark in name for mark in _SECOND_ORDER_MARKS)
+        if name.startswith("flat_") and not any(op in name for op in operators_where(order=2))
     ]
 
 

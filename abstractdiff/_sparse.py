@@ -270,7 +270,7 @@ def sparse_hessian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list
     shapes = [shape_of(x) for x in xs]
     store = artefacts(fn, sparse, "sparse hessian")
     packed = store.get(("packed", tuple(shapes)), lambda: PackedInput(fn, shapes))
-    grad = store.get(("gradient", tuple(shapes)), lambda: GradientFunction(inner, packed))
+    grad = store.get(("gradient function", tuple(shapes)), lambda: GradientFunction(inner, packed))
     a = ar()
     z = a.do("concatenate", [a.do("reshape", x, (size_of(x),)) for x in xs]) if len(xs) > 1 else \
         a.do("reshape", xs[0], (n,))
@@ -315,7 +315,7 @@ class SparseJacobianPrep(Preparation):
     preparation, and again for a call whose data arguments differ (per input shapes and
     data values, kept in the flat function's artefacts)."""
 
-    operator = "jacobian"
+    operator = JacobianPrep.operator
     _build = staticmethod(_jacobian_plan)
     _compute = staticmethod(sparse_jacobian)
     _store = "sparse jacobian plan"
@@ -343,7 +343,7 @@ class SparseJacobianPrep(Preparation):
 class SparseHessianPrep(SparseJacobianPrep):
     """The Hessian of a scalar ``f`` as an ``(x.size, x.size)`` CSR matrix."""
 
-    operator = "hessian"
+    operator = HessianPrep.operator
     _build = staticmethod(_hessian_plan)
     _compute = staticmethod(sparse_hessian)
     _store = "sparse hessian plan"

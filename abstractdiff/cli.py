@@ -33,26 +33,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ._operator_table import OPERATORS
 from ._registry import available_backends, unavailable_reason
 
 DTYPES = ("float64", "float32")
 DEVICES = {"all": ("cpu", "gpu"), "cpu": ("cpu",), "gpu": ("gpu",)}
-# Short column names keep the table within ~120 characters.
+# Short column names keep the table within ~120 characters (the operator table's).
 COLUMN_NAMES = {
-    "gradient": "gradient",
-    "value_and_gradient": "value_grad",
-    "pullback": "pullback",
-    "pushforward": "pushforward",
-    "derivative": "derivative",
-    "value_and_derivative": "value_deriv",
-    "second_derivative": "second_deriv",
-    "value_derivative_and_second_derivative": "value_d_d2",
-    "jacobian": "jacobian",
-    "value_and_jacobian": "value_jac",
-    "hessian": "hessian",
-    "value_gradient_and_hessian": "value_g_hess",
-    "hvp": "hvp",
-    "gradient_and_hvp": "grad_hvp",
+    **{name: op.column for name, op in OPERATORS.items() if op.graded},
     "numpy_inputs": "numpy_in",
     "prepared": "prepared",
 }

@@ -33,10 +33,15 @@ from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Adapter", "FAST_ROUTES", "FlatFn"]
+__all__ = ["Adapter", "FAST_ROUTES", "FlatFn", "JACOBIAN_ROUTES", "PER_CALL_ROUTES", "PRIMITIVES"]
 
 #: ``fn(xs, data) -> (y, aux)``: the user's function on flat leaf lists (``xs`` differentiated).
 FlatFn = Callable[[list, list], tuple]
+
+#: The primitives, the core's derivations' only need: reverse and forward mode, then their
+#: batched forms (optional: without them the core loops over the primitive).
+PRIMITIVES = ("value_and_pullback", "value_and_pushforward", "value_and_batched_pullback",
+              "value_and_batched_pushforward")
 
 #: The operators an adapter may give a fast route, with the signature its method must have
 #: (the core's derivation of the same operator, which it replaces).  The ``prepare_`` forms
@@ -56,6 +61,17 @@ FAST_ROUTES: dict[str, str] = {
     "second_derivative": "(fn, [x], data) -> d2y/dx2",
     "value_derivative_and_second_derivative": "(fn, [x], data) -> (y, dy/dx, d2y/dx2)",
 }
+
+#: The fast routes that build a whole Jacobian: the core takes them only when the backend's
+#: ``chunk_size`` is None (chunking is the core's, in batched primitive calls).
+JACOBIAN_ROUTES = frozenset({
+    "prepare_jacobian", "jacobian", "hessian", "hessian_blocks", "value_gradient_and_hessian",
+})
+
+#: The prepare-form routes whose ``run`` has the per-call route's signature: an adapter listing
+#: only the prepare form gets the per-call one too (prepare, then run), so it writes the
+#: route once (``prepare_jacobian``'s run leaves out the value, so ``jacobian`` is not derived).
+PER_CALL_ROUTES: dict[str, str] = {"prepare_value_and_gradient": "value_and_gradient", "prepare_hvp": "hvp"}
 
 
 class Adapter:

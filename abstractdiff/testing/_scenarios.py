@@ -17,44 +17,23 @@ import numpy as np
 import optree
 
 from .._errors import ArgumentTypeError, InvalidArgumentError
+from .._operator_table import OPERATORS as OPERATORS_TABLE
+from .._operator_table import operators_where
 from .._tree import is_array, is_float_dtype
 
 __all__ = [
     "COMBINED", "OPERATORS", "Scenario", "Switching", "default_scenarios", "scenario_names", "switching_scenarios",
 ]
 
-#: Every operator the harness knows, in table order.
-OPERATORS: tuple[str, ...] = (
-    "gradient",
-    "value_and_gradient",
-    "pullback",
-    "pushforward",
-    "derivative",
-    "value_and_derivative",
-    "second_derivative",
-    "value_derivative_and_second_derivative",
-    "jacobian",
-    "value_and_jacobian",
-    "hessian",
-    "value_gradient_and_hessian",
-    "hvp",
-    "gradient_and_hvp",
-)
+#: Every operator the harness grades, in the operator table's order.
+OPERATORS: tuple[str, ...] = operators_where(graded=True)
 
 #: Second-order operators get the looser tolerance.
-SECOND_ORDER = frozenset({
-    "hessian", "hvp", "second_derivative", "value_derivative_and_second_derivative", "value_gradient_and_hessian",
-    "gradient_and_hvp",
-})
+SECOND_ORDER = frozenset(operators_where(graded=True, order=2))
 
 #: The combined operators, and the references each one's result is checked against.
 COMBINED: dict[str, tuple[str, ...]] = {
-    "value_and_gradient": ("value", "gradient"),
-    "value_and_derivative": ("value", "derivative"),
-    "value_derivative_and_second_derivative": ("value", "derivative", "second_derivative"),
-    "value_and_jacobian": ("value", "jacobian"),
-    "value_gradient_and_hessian": ("value", "gradient", "hessian"),
-    "gradient_and_hvp": ("gradient", "hvp"),
+    name: op.parts for name, op in OPERATORS_TABLE.items() if op.graded and len(op.parts) > 1
 }
 
 
