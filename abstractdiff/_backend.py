@@ -36,7 +36,7 @@ from ._errors import (
 )
 from ._hooks import parse_device
 from ._operator_table import OPERATORS
-from ._prepare import PREPARATIONS, PREPARED, TANGENT_OPERATORS, Preparation, Prepared
+from ._prepare import PREPARED, TANGENT_OPERATORS, Preparation, Prepared
 from ._registry import hold_adapters_in
 from ._tree import (
     BASIC_STATIC,
@@ -53,10 +53,6 @@ __all__ = [
     "AdapterBackend", "Backend", "GradientDotTangent", "GradientFunction", "check_scalar", "dtype_name", "shape_of",
     "size_of",
 ]
-
-#: How many preparations (input signatures) a flat function keeps per operator.
-MAX_SIGNATURES = 32
-
 
 def _signature_key(xs: list, data: list) -> tuple:
     # What a preparation may depend on: the dtype of every leaf (jax's x64 mode follows it).
@@ -208,15 +204,12 @@ class Backend(DerivedOperators):
     def preparation(self, cls: type[Preparation], fn: FlatFunction, xs: list, data: list) -> Preparation:
         """The :class:`~abstractdiff._prepare.Preparation` of ``cls``'s operator for ``fn``
         and the signature of ``xs``/``data``, built once and cached on ``fn``."""
-        # the hot path of every unprepared operator: one dict lookup in the common case
+        # the hot path of every unprepared operator: one lookup in the common case
         key = (self.cache_key, cls, _signature_key(xs, data))
         preps = fn._preparations
         prep = preps.get(key)
         if prep is None:
-            prep = cls(self, fn, xs, data)
-            preps[key] = prep
-            while len(preps) > MAX_SIGNATURES * len(PREPARATIONS):  # oldest out: bounded
-                preps.pop(next(iter(preps)), None)
+            prep = preps.get_or_build(key, lambda: cls(self, fn, xs, data))
         return prep
 
     def prepare(

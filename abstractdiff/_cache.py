@@ -1,11 +1,15 @@
-"""One cache utility: a bounded, thread-safe map whose entries die with their key objects.
+"""The one cache utility, under one policy.
 
-Every cache of abstractdiff that is keyed on user objects (the plan cache per user
-function, the bound loss functions of the training loop, the implicit adapter's wrapper
-families) has the same needs: look up by the *identity* of a few objects, never keep
-those objects alive, drop the entry as soon as one of them is garbage collected (so a
-recycled ``id`` can never find a stale entry), stay bounded, and be safe to use from
-several threads.  :class:`WeakLRU` is that, written once.
+Every cache of abstractdiff (plans per user function, preparations and compiled artefacts
+per flat function, the training loop's bound loss functions, the implicit adapter's
+wrapper families, the composed kernels) is bounded and evicts the least recently used
+entry first; lookups take no lock (one dict read is atomic), and a missing entry is built
+once even when several threads ask for it.  :class:`LRU` is that map.  Caches keyed on user
+objects use :class:`WeakLRU`, the same map keyed by the objects' identity and holding them
+weakly: an entry leaves as soon as one of its objects is garbage collected, so a recycled
+``id`` can never find a stale entry.  What a cached value depends on besides those objects
+is keyed by :func:`value_key`, the one keying policy.  Each cache hangs off the object that
+owns it (a flat function's preparations and artefacts are the flat function's).
 """
 
 from __future__ import annotations
@@ -18,9 +22,95 @@ from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
 import numpy as np
 
+K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-__all__ = ["WeakLRU", "array_fingerprint", "value_key"]
+__all__ = ["LRU", "WeakLRU", "array_fingerprint", "value_key"]
+
+_MISSING: Any = object()
+
+
+class LRU(Generic[K, V]):
+    """``{key: value}`` with at most ``maxsize`` entries, the least recently used out first
+    (``maxsize=None``: unbounded).  Thread-safe: lookups take no lock, writes do, and
+    :meth:`get_or_build` builds a missing value once.
+
+    Example:
+        >>> cache = LRU(2)
+        >>> cache.put("a", 1); cache.put("b", 2); cache.get("a")
+        1
+        >>> cache.put("c", 3); sorted(cache.keys())  # "b" was the least recently used
+        ['a', 'c']
+    """
+
+    __slots__ = ("maxsize", "_entries", "_lock")
+
+    def __init__(self, maxsize: int | None):
+        self.maxsize = maxsize
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def get(self, key: K, default: Any = None) -> Any:
+        """The value of ``key`` (marked recently used), or ``default``."""
+        entries = self._entries
+        value = entries.get(key, _MISSING)
+        if value is _MISSING:
+            return default
+        if self.maxsize is not None and len(entries) > 1:
+            try:
+                entries.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile
+                pass
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        entries = self._entries
+        with self._lock:
+            entries[key] = value
+            entries.move_to_end(key)
+            if self.maxsize is not None:
+                while len(entries) > self.maxsize:
+                    entries.popitem(last=False)
+
+    def get_or_build(self, key: K, build: Callable[[], V]) -> V:
+        """The value of ``key``, or ``build()`` stored (built once even with several threads)."""
+        value = self.get(key, _MISSING)
+        if value is not _MISSING:
+            return value
+        with self._lock:
+            value = self._entries.get(key, _MISSING)
+            if value is _MISSING:
+                value = build()
+                self.put(key, value)
+            return value
+
+    def pop(self, key: K, default: Any = None) -> Any:
+        return self._entries.pop(key, default)
+
+    def keys(self) -> list[K]:
+        with self._lock:
+            return list(self._entries)
+
+    def values(self) -> list[V]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def items(self) -> list[tuple[K, V]]:
+        with self._lock:
+            return list(self._entries.items())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"LRU({len(self._entries)}/{self.maxsize} entries)"
 
 
 class _Entry(Generic[V]):
@@ -60,8 +150,8 @@ class WeakLRU(Generic[V]):
     def __init__(self, maxsize: int | None = None, *, hold_unreferenceable: bool = False):
         self.maxsize = maxsize
         self.hold_unreferenceable = hold_unreferenceable
-        self._lock = threading.RLock()
-        self._entries: OrderedDict[Hashable, _Entry[V]] = OrderedDict()
+        self._entries: LRU[Hashable, _Entry[V]] = LRU(maxsize)
+        self._lock = self._entries._lock
 
     @staticmethod
     def key(objects: tuple[Any, ...], extra: Hashable = None) -> Hashable:
@@ -69,19 +159,11 @@ class WeakLRU(Generic[V]):
 
     def get(self, objects: tuple[Any, ...], extra: Hashable = None) -> V | None:
         """The value stored for these objects (and ``extra``), or ``None``; marks it recently used."""
-        # on the hot path of every unprepared operator: no lock for a lookup (one dict
-        # access is atomic), and recency only matters when the cache is bounded; one
-        # object (the commonest key) without map's overhead
+        # on the hot path of every unprepared operator: one object (the commonest key)
+        # without map's overhead
         key = ((id(objects[0]),) if len(objects) == 1 else tuple(map(id, objects)), extra)
         entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if self.maxsize is not None:
-            try:
-                self._entries.move_to_end(key)
-            except KeyError:  # dropped by another thread meanwhile
-                pass
-        return entry.value
+        return None if entry is None else entry.value
 
     def put(self, objects: tuple[Any, ...], value: V, extra: Hashable = None) -> V:
         """Store ``value`` for the objects; returns it (stored or not, see the class docstring)."""
@@ -96,12 +178,7 @@ class WeakLRU(Generic[V]):
                 if not self.hold_unreferenceable:
                     return value
                 strong.append(obj)
-        with self._lock:
-            entries[key] = _Entry(value, refs, strong)
-            entries.move_to_end(key)
-            if self.maxsize is not None:
-                while len(entries) > self.maxsize:
-                    entries.popitem(last=False)
+        entries.put(key, _Entry(value, refs, strong))
         return value
 
     def get_or_put(self, objects: tuple[Any, ...], build: Callable[[], V], extra: Hashable = None) -> V:
@@ -121,18 +198,15 @@ class WeakLRU(Generic[V]):
 
     def discard_value(self, value: V) -> None:
         """Remove every entry holding ``value`` (by identity)."""
-        with self._lock:
-            for key in [k for k, e in self._entries.items() if e.value is value]:
+        for key, entry in self._entries.items():
+            if entry.value is value:
                 self._entries.pop(key, None)
 
     def values(self) -> Iterator[V]:
-        with self._lock:
-            items = [e.value for e in self._entries.values()]
-        return iter(items)
+        return iter([e.value for e in self._entries.values()])
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

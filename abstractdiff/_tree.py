@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
 import optree
 
-from ._cache import WeakLRU
+from ._cache import LRU, WeakLRU
 from ._captures import captures
 from ._errors import CollectedError, InvalidOutputError, NonDifferentiableInputError
+from ._operator_table import OPERATORS
 
 T = TypeVar("T")
 
@@ -127,39 +127,29 @@ class Artefacts:
     ``variant`` (built once with ``build()``).  The backend's type and options are part of
     the key already (:meth:`FlatFunction.artefacts`); ``variant`` holds whatever else
     changes the result: the x64 mode, a device, the input signature (shapes and dtypes)
-    when the artefact depends on it.  At most :attr:`max_variants` are kept, the oldest
-    out first (a shape that changes every call must not grow the cache without end).
-    Thread-safe: two threads asking for a missing variant build it once.
+    when the artefact depends on it.  At most :attr:`max_variants` are kept, the least
+    recently used out first (a shape that changes every call must not grow the cache without
+    end): the one cache policy (:class:`abstractdiff._cache.LRU`).  Thread-safe: two threads
+    asking for a missing variant build it once.
     """
 
-    __slots__ = ("operator", "_variants", "_lock")
+    __slots__ = ("operator", "_variants")
 
     max_variants = 64
 
     def __init__(self, operator: str):
         self.operator = operator
-        self._variants: dict[Hashable, Any] = {}
-        self._lock = threading.Lock()
+        self._variants: LRU[Hashable, Any] = LRU(self.max_variants)
 
     def get(self, variant: Hashable, build: Callable[[], T]) -> T:
-        try:
-            return self._variants[variant]
-        except KeyError:
-            pass
-        with self._lock:
-            if variant not in self._variants:
-                self._variants[variant] = build()
-                while len(self._variants) > self.max_variants:
-                    del self._variants[next(iter(self._variants))]
-            return self._variants[variant]
+        return self._variants.get_or_build(variant, build)
 
     def peek(self, variant: Hashable) -> Any:
         """The artefact of ``variant`` if it was built, else ``None``."""
         return self._variants.get(variant)
 
     def put(self, variant: Hashable, value: Any) -> None:
-        with self._lock:
-            self._variants[variant] = value
+        self._variants.put(variant, value)
 
     def __len__(self) -> int:
         return len(self._variants)
@@ -167,6 +157,10 @@ class Artefacts:
     def __repr__(self) -> str:
         return f"Artefacts({self.operator!r}, {len(self._variants)} variant(s))"
 
+
+#: How many preparations a flat function keeps: 32 input signatures per operator (least
+#: recently used out first).
+MAX_PREPARATIONS = 32 * len(OPERATORS)
 
 class HasArtefacts:
     """A function handed to an adapter's ``flat_*`` methods, with a typed cache of artefacts.
@@ -241,7 +235,7 @@ class FlatFunction(HasArtefacts):
         self.has_aux = has_aux
         self._artefacts: dict[Any, Artefacts] = {}
         # (backend key, preparation class, input signature) -> Preparation (see Backend.preparation)
-        self._preparations: dict[Any, Any] = {}
+        self._preparations: LRU[Any, Any] = LRU(MAX_PREPARATIONS)
         # objects f reads that its plan key names by identity (see abstractdiff._captures)
         self._captured: list[Callable[[], Any]] = []
         # whether numpy arrays are the backend's own (autograd, PyTensor, finite differences):
@@ -552,7 +546,7 @@ class PlanCache:
         #: whether numpy arrays are native to the backend owning this cache (see check_output)
         self.numpy_native = numpy_native
         # function (and owner of a bound method), held weakly -> that function's plans
-        self._functions: WeakLRU[OrderedDict[Any, FlatFunction]] = WeakLRU()
+        self._functions: WeakLRU[LRU[Any, FlatFunction]] = WeakLRU()
         #: (id of a plain function, operator) -> ``(guard, call, ref)``, its hot call (see
         #: Backend._unprepared).  Every unprepared call reads it first, so it is a plain dict
         #: (a WeakLRU lookup costs a method call more); :meth:`set_hot` makes an entry leave
@@ -569,13 +563,7 @@ class PlanCache:
         plans = self._functions.get(_function_identity(f))
         if plans is None:
             return None
-        fn = plans.get(key)
-        if fn is not None and len(plans) > 1:
-            try:
-                plans.move_to_end(key)
-            except KeyError:  # pushed out by another thread meanwhile
-                pass
-        return fn
+        return plans.get(key)
 
     def store(self, f: Callable[..., Any], key: Any, fn: FlatFunction, replaces: Any = None) -> None:
         """Store ``fn`` under ``key``; with ``replaces``, first drop the plans whose key starts
@@ -584,14 +572,12 @@ class PlanCache:
         with self._lock:
             plans = self._functions.get(ident)
             if plans is None:  # not weak-referenceable (a builtin): put() keeps nothing
-                plans = self._functions.put(ident, OrderedDict())
+                plans = self._functions.put(ident, LRU(self.max_per_function))
             if replaces is not None:
                 n = len(replaces)
-                for old in [k for k in plans if k[:n] == replaces and k != key]:
-                    del plans[old]
-            plans[key] = fn
-            while len(plans) > self.max_per_function:
-                plans.popitem(last=False)
+                for old in [k for k in plans.keys() if k[:n] == replaces and k != key]:
+                    plans.pop(old)
+            plans.put(key, fn)
 
     def __len__(self) -> int:
         return sum(len(plans) for plans in self._functions.values())
