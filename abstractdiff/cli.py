@@ -429,15 +429,8 @@ def _collect(outcome: Outcome, what: Any, fut: Future, progress: Callable[[str],
 
 
 # ------------------------------------------------------------------- reporting
-def _cell(row: dict[str, Any] | None) -> str:
-    if row is None:
-        return "-"
-    err = "-" if row["max_error"] is None else f"{row['max_error']:.1e}"
-    return f"{'ok' if row['ok'] else 'FAIL'} {err}"
-
-
 def _table(reports: list[Any]) -> str:
-    from abstractdiff.testing._check import COLUMNS, operator_rows
+    from abstractdiff.testing._check import COLUMNS, operator_rows, text_table, verdict
 
     # One row per (backend, device, dtype) of the *results*: the switching family, run in the
     # first dtype's job, adds steps of the other dtype, which belong to that dtype's row.
@@ -456,15 +449,12 @@ def _table(reports: list[Any]) -> str:
     merged = {key: operator_rows(results) for key, results in grouped.items()}
     ops = [op for op in COLUMNS if any(op in rows for rows in merged.values())]
     names = [f"{b} {t}" + ("" if d == "cpu" else f" [{d}]") for b, d, t in merged]
-    width = max([len("backend")] + [len(n) for n in names])
-    widths = [max(12, len(COLUMN_NAMES.get(op, op))) for op in ops]
-    head = "backend".ljust(width) + "  " + "  ".join(COLUMN_NAMES.get(op, op).ljust(w) for op, w in zip(ops, widths))
-    head += "  time"
-    lines = [head, "-" * len(head)]
-    for name, (key, rows) in zip(names, merged.items()):
-        cells = "  ".join(_cell(rows.get(op)).ljust(w) for op, w in zip(ops, widths))
-        lines.append(f"{name.ljust(width)}  {cells}  {seconds[key]:5.1f}s")
-    return "\n".join(lines)
+    rows = [
+        (name, [("-" if rows.get(op) is None else verdict(rows[op]["ok"], rows[op]["max_error"])) for op in ops]
+         + [f"{seconds[key]:5.1f}s"])
+        for name, (key, rows) in zip(names, merged.items())
+    ]
+    return text_table("backend", [*(COLUMN_NAMES.get(op, op) for op in ops), "time"], rows)
 
 
 def _agreement_lines(dtype: str, agreement: Any, approximate: Collection[str] = ()) -> list[str]:

@@ -165,8 +165,22 @@ class Result:
         }
 
 
-def _fmt_err(e: float | None) -> str:
-    return "-" if e is None else f"{e:.1e}"
+def verdict(ok: bool, max_error: float | None) -> str:
+    """A table cell: ``ok 1.2e-16`` or ``FAIL 3.0e-01`` (``-`` for no error measured)."""
+    return f"{'ok' if ok else 'FAIL'} {'-' if max_error is None else f'{max_error:.1e}'}"
+
+
+def text_table(corner: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]],
+               min_width: int = 12) -> str:
+    """The one plain-text table of the conformance reports and the CLI: a header of
+    ``columns`` after ``corner``, a rule, then one line per ``(label, cells)``."""
+    width = max([len(corner)] + [len(label) for label, _ in rows])
+    widths = [max(min_width, len(c)) for c in columns]
+    head = corner.ljust(width) + "  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths))
+    lines = [head.rstrip(), "-" * len(head.rstrip())]
+    for label, cells in rows:
+        lines.append((label.ljust(width) + "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))).rstrip())
+    return "\n".join(lines)
 
 
 class Report:
@@ -223,18 +237,8 @@ class Report:
         rows: dict[str, dict[str, Result]] = {}
         for r in self.results:
             rows.setdefault(r.scenario, {})[r.operator] = r
-        width = max([len("scenario")] + [len(s) for s in rows])
-        widths = [max(12, len(op)) for op in ops]
-        head = "scenario".ljust(width) + "  " + "  ".join(op.ljust(w) for op, w in zip(ops, widths))
-        lines = [head, "-" * len(head)]
-        for scen, cells in rows.items():
-            parts = []
-            for op, w in zip(ops, widths):
-                r = cells.get(op)
-                text = "" if r is None else f"{'ok' if r.ok else 'FAIL'} {_fmt_err(r.max_error)}"
-                parts.append(text.ljust(w))
-            lines.append(scen.ljust(width) + "  " + "  ".join(parts))
-        return "\n".join(line.rstrip() for line in lines)
+        cell = lambda r: "" if r is None else verdict(r.ok, r.max_error)  # noqa: E731
+        return text_table("scenario", ops, [(scen, [cell(got.get(op)) for op in ops]) for scen, got in rows.items()])
 
     def __str__(self) -> str:
         n_fail = sum(not r.ok for r in self.results)
