@@ -103,6 +103,43 @@ def test_a_fast_route_replaces_the_derivation_and_a_wrong_name_is_refused():
     assert "prepare_value_and_gradient" in FAST_ROUTES
 
 
+def test_a_route_written_once_in_its_prepare_form_serves_the_per_call_operator_too():
+    prepared, runs = [], []
+
+    class Once(Squares):
+        fast_routes = {"prepare_value_and_gradient": "prepare_vg"}
+
+        def prepare_vg(self, fn, xs, data):
+            prepared.append(1)
+
+            def run(xs, data):
+                runs.append(1)
+                y, aux = fn(xs, data)
+                return y, aux, [3 * x for x in xs]  # not the true gradient: shows which route ran
+
+            return run
+
+    b, x = AdapterBackend(Once), np.array([1.0, 2.0])
+    f = lambda x: (x**2).sum()  # noqa: E731
+    np.testing.assert_allclose(ad.gradient(b, f, x), [3.0, 6.0])  # the operator: the prepared route
+    # the core's per-call form (what second-order and implicit paths call) is the same route
+    fn, xs, data = b.flatten(f, x, ())
+    y, _, grads = b.flat_value_and_gradient(fn, xs, data)
+    np.testing.assert_allclose(grads[0], [3.0, 6.0])
+    assert len(prepared) == 2 and len(runs) == 2
+
+    # a route listing both forms keeps its own per-call method
+    class Both(Once):
+        fast_routes = {"prepare_value_and_gradient": "prepare_vg", "value_and_gradient": "per_call"}
+
+        def per_call(self, fn, xs, data):
+            y, aux = fn(xs, data)
+            return y, aux, [5 * x for x in xs]
+
+    fn, xs, data = AdapterBackend(Both).flatten(f, x, ())
+    np.testing.assert_allclose(AdapterBackend(Both).flat_value_and_gradient(fn, xs, data)[2][0], [5.0, 10.0])
+
+
 def test_a_registered_adapter_class_is_held(clean_registry):
     ad.register_backend("squares", Squares)
     b = ad.backend("squares", chunk_size=3)
