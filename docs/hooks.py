@@ -70,8 +70,11 @@ def _methods(cls: ast.ClassDef) -> set[str]:
     names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if not any(isinstance(b, ast.Name) and b.id == "Adapter" for b in cls.bases):
         return names
-    routes = _class_constant(cls, "fast_routes") or {}
-    primitives = {m for m in ("value_and_pullback", "value_and_pushforward") if m in names}
+    from abstractdiff.protocol import PER_CALL_ROUTES, PRIMITIVES
+
+    routes = set(_class_constant(cls, "fast_routes") or {})
+    routes |= {PER_CALL_ROUTES[op] for op in routes if op in PER_CALL_ROUTES}  # written once, serving both
+    primitives = {m for m in PRIMITIVES[:2] if m in names}
     return names | {f"flat_{m}" for m in primitives} | {f"flat_{op}" for op in routes}
 
 
@@ -84,11 +87,10 @@ def _class_constant(cls: ast.ClassDef, name: str) -> Any:
     return None
 
 
-def _module_constant(tree: ast.Module, name: str) -> Any:
-    for n in tree.body:
-        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets):
-            return ast.literal_eval(n.value)
-    return None
+def _defines(tree: ast.Module, name: str) -> bool:
+    """Whether the module assigns ``name`` at its top level (the implicit backend's refusals)."""
+    return any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+               for n in tree.body)
 
 
 def _passes_on(func: ast.FunctionDef, kwarg: str) -> bool:
@@ -127,6 +129,7 @@ def _options(cls: ast.ClassDef) -> list[str]:
 def adapters() -> list[dict[str, Any]]:
     """One record per built-in backend, read from the registry table and the adapter sources."""
     from abstractdiff import _registry
+    from abstractdiff._operator_table import operators_where
 
     records = []
     for name, entry in _registry._BUILTIN.items():
@@ -143,7 +146,7 @@ def adapters() -> list[dict[str, Any]]:
                 "options": _options(cls),
                 "extra": entry.extra or _class_constant(cls, "extra"),
                 "requires": entry.requires,
-                "refused": tuple(_module_constant(tree, "_EXPLICIT_ONLY") or ()),
+                "refused": operators_where(implicit=False) if _defines(tree, "_EXPLICIT_ONLY") else (),
             }
         )
     return records
