@@ -17,8 +17,8 @@ dropped.  Call under ``torch.no_grad()``, or pass ``.detach()``-ed tensors, to g
 values; ``ad.Implicit("torch")`` is the route for modules.
 
 Threads: reverse mode runs in parallel.  torch's forward mode is process-global (one dual
-level), so every forward-mode section (pushforward, derivative, forward Jacobians, hessian,
-hvp, second derivatives) holds one re-entrant lock: such calls from several threads are
+level), so every forward-mode section (pushforward, derivative, forward Jacobians, hvp,
+second derivatives) holds one re-entrant lock: such calls from several threads are
 serialised, and nested use on one thread goes on.
 
 ``compile=True`` wraps the user's function in ``torch.compile`` (``compile="aot_eager"``
@@ -27,11 +27,12 @@ control flow on tensors into graph breaks rather than errors, so there is no
 ``TracedControlFlowError`` to raise here: such functions run, partly eagerly.
 
 An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("torch")``
-is the core's backend holding a :class:`TorchAdapter`.  Fast routes: the gradient and its
-prepared form, the Jacobian (jacrev or jacfwd, whichever is cheaper) and its prepared form,
-and the second-order operators of ``torch.func``; the compile step
-(:meth:`TorchAdapter.direct_prepared`) skips the core's layering for prepared gradients.
-Variables: leaf tensors and ``nn.Module`` parameters (:class:`_Variables`).
+is the core's backend holding a :class:`TorchAdapter`.  Fast routes: the gradient (written
+once, in its prepared form), the Jacobian (jacrev or jacfwd, whichever is cheaper), the
+Hessian-vector product and the second derivatives of ``torch.func``.  The Hessian is the
+core's (the Jacobian of the gradient, reverse over reverse: 2-3x faster than
+``torch.func.hessian``'s forward over reverse, measured).  Variables: leaf tensors and
+``nn.Module`` parameters (:class:`_Variables`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _add_numpy_hint(err: BaseException) -> None:
 # torch's forward mode is process-global: torch.autograd.forward_ad keeps one dual level for
 # the whole process and torch.func.jvp counts its nesting in a module global, so two threads
 # in forward mode at once read each other's tangents (wrong numbers, or "no level exists").
-# Every forward-mode section of this adapter (jvp, jacfwd, hessian, hvp) holds this lock.
+# Every forward-mode section of this adapter (jvp, jacfwd, hvp) holds this lock.
 # Re-entrant: an operator nested in a function being differentiated runs on the same thread
 # and goes on.  Reverse mode (autograd.grad, torch.func.vjp/grad/jacrev) keeps per-thread
 # state and runs in parallel.
@@ -126,7 +127,7 @@ def _forward_mode(method: Callable) -> Callable:
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``t`` in ``ref``'s float dtype.  torch 2.13's forward mode promotes a product with a
     Python float (``0.25 * s * s``) to float64 in float32 code (jvp, jacfwd, and the forward
-    half of hessian and hvp), where every other route and library keeps float32."""
+    half of hvp), where every other route and library keeps float32."""
     if t.dtype != ref.dtype and t.is_floating_point() and ref.is_floating_point():
         return t.to(ref.dtype)
     return t
@@ -264,6 +265,18 @@ def _on_device_of(variables: list, args: tuple) -> tuple:
     return optree.tree_map(fit, args)
 
 
+def _in_graph(xs: list, data: list) -> bool:
+    # loops, not any() over a generator: a third of the cost, on every gradient
+    if torch.is_grad_enabled():
+        for t in xs:
+            if t.requires_grad:
+                return True
+        for t in data:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return False
+
+
 def _detached(tree: Any) -> Any:
     return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
@@ -274,13 +287,10 @@ class TorchAdapter(Adapter):
     modules = ("torch",)
     # each fast route is the method of the operator's own name
     fast_routes = {
-        "value_and_gradient": "value_and_gradient",
         "prepare_value_and_gradient": "prepare_value_and_gradient",
         "jacobian": "jacobian",
         "prepare_jacobian": "prepare_jacobian",
-        "hessian": "hessian",
         "hvp": "hvp",
-        "value_gradient_and_hessian": "value_gradient_and_hessian",
         "value_derivative_and_second_derivative": "value_derivative_and_second_derivative",
         "second_derivative": "second_derivative",
     }
@@ -446,8 +456,7 @@ class TorchAdapter(Adapter):
     @staticmethod
     def _leaves(xs: list, data: list) -> tuple[list, bool]:
         """Fresh differentiable leaves for ``xs``, and whether we are nested in an outer derivative."""
-        nested = torch.is_grad_enabled() and any(t.requires_grad for t in (*xs, *data) if isinstance(t, torch.Tensor))
-        if nested:
+        if _in_graph(xs, data):
             # view_as keeps the outer graph and gives each input its own node, so that the
             # same tensor passed twice gets two partial derivatives.
             return [x.view_as(x) if x.requires_grad else x.detach().requires_grad_() for x in xs], True
@@ -499,138 +508,41 @@ class TorchAdapter(Adapter):
         y, aux, vjp_fn = self._func_vjp(fn, xs, data)
         return y, aux, lambda dys: list(torch.func.vmap(vjp_fn)(dys))
 
-    @_explains_numpy_mix
-    def value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
-        if _in_functorch():
-            carrier = _AuxCarrier()
-            forward = self._forward(fn)
-
-            def with_aux(*a: torch.Tensor) -> tuple[torch.Tensor, list]:
-                y, aux = forward(list(a), data)
-                y = self._tensor(y)
-                check_scalar(y)
-                return y, carrier.pack(aux)
-
-            grads, (y, aux) = torch.func.grad_and_value(with_aux, argnums=tuple(range(len(xs))), has_aux=True)(*xs)
-            return y, carrier.unpack(aux), list(grads)
-
-        leaves, nested = self._leaves(xs, data)
-        with torch.enable_grad():
-            y, aux = self._forward(fn)(leaves, data)
-            y = self._tensor(y)
-            check_scalar(y)  # before autograd.grad, whose own message is about grad_outputs
-            if y.requires_grad:
-                grads = list(torch.autograd.grad(y, leaves, create_graph=nested, allow_unused=True))
-            else:
-                grads = [None] * len(leaves)
-        if nested:
-            return y, aux, grads
-        return y.detach(), (None if aux is None else _detached(aux)), grads
-
     def prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], tuple]:
-        # The hot path of training loops and small functions: in the common case (eager,
-        # grad mode on, no input already in a graph, no torch.func transform active) the
-        # call is native's own few lines; anything else takes the general route above.
-        general = functools.partial(self.value_and_gradient, fn)
-        if self.compile:
-            return general
-        grad = torch.autograd.grad
-        transform_active = torch._C._functorch.peek_interpreter_stack
-        grad_enabled = torch.is_grad_enabled
-        tensor = torch.Tensor
-        as_tensor = self._tensor
-        detached = _detached
+        # The hot path of training loops and small functions: outside torch.func, the call is
+        # native's own few lines (autograd.grad on fresh leaves).  The per-call route is the
+        # core's prepare-then-run, so preparing builds nothing but these closures.
+        grad, grad_enabled, tensor = torch.autograd.grad, torch.is_grad_enabled, self._tensor
+        compiled = self._forward if self.compile else None  # looked up per call: it may fall back to fn
+
+        def gradient(leaves: list, data: list, nested: bool) -> tuple[Any, Any, list]:
+            y, aux = (compiled(fn) if compiled else fn)(leaves, data)
+            if not isinstance(y, torch.Tensor):
+                y = tensor(y)
+            check_scalar(y)  # before autograd.grad, whose own message is about grad_outputs
+            grads = [None] * len(leaves) if not y.requires_grad else list(
+                grad(y, leaves, create_graph=nested, allow_unused=True)
+            )
+            if nested:
+                return y, aux, grads
+            return y.detach(), (None if aux is None else _detached(aux)), grads
 
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
-            if transform_active() is not None or not grad_enabled():
-                return general(xs, data)
-            for t in xs:
-                if t.requires_grad:
-                    return general(xs, data)
-            for t in data:
-                if isinstance(t, tensor) and t.requires_grad:
-                    return general(xs, data)
-            leaves = [x.detach().requires_grad_() for x in xs]
             try:
-                y, aux = fn(leaves, data)
+                if _in_functorch():
+                    y, aux, vjp_fn = self._func_vjp(fn, xs, data)
+                    check_scalar(y)
+                    return y, aux, list(vjp_fn(torch.ones_like(y)))
+                leaves, nested = self._leaves(xs, data)
+                if grad_enabled():  # enable_grad() costs 0.6 us of a 40 us call
+                    return gradient(leaves, data, nested)
+                with torch.enable_grad():
+                    return gradient(leaves, data, nested)
             except (TypeError, RuntimeError) as err:
                 _add_numpy_hint(err)
                 raise
-            if not isinstance(y, tensor):
-                y = as_tensor(y)
-            check_scalar(y)
-            if not y.requires_grad:
-                return y, (None if aux is None else detached(aux)), [None] * len(leaves)
-            grads = grad(y, leaves, allow_unused=True)
-            return y.detach(), (None if aux is None else detached(aux)), list(grads)
 
         return run
-
-    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
-        # torch has no dispatcher that compares a signature in C++; what a prepared
-        # gradient can skip is the layering (the check, the preparation, the flat run, the
-        # flat function: about 15 us of a 40 us overhead on the MLP workload, measured).
-        # One closure does the same steps when x's leaves and the arguments are tensors of
-        # the preparation's types, shapes and dtypes, with nothing static and no aux;
-        # anything else, or a call it does not recognise, takes the core's route (which
-        # says what changed).
-        signature, fn = prepared.signature, prepared.fn
-        n = fn.n_x_leaves
-        if (
-            self.compile
-            or fn._x_leaf  # one tensor: the core's check is as lean already, without optree
-            or prepared.operator not in ("value_and_gradient", "gradient")
-            or prepared.has_aux
-            or signature.static
-            or list(fn.diff_index) != list(range(n))
-            or list(fn.data_index) != list(range(n, n + len(data)))
-            or not all(type(a) is torch.Tensor for a in (*xs, *data))
-            or optree.tree_structure(tuple(data)) != fn.args_treedef
-        ):
-            return None
-        f_ref, x_treedef, n_args = fn._f, fn.x_treedef, len(data)  # f weakly, as the flat function holds it
-        raw = signature.x_raw + signature.data_raw
-        shapes = None if raw[0][0] is None else [shape for shape, _ in raw]  # None: any shape
-        dtypes = [dtype for _, dtype in raw]
-        with_value = prepared.operator == "value_and_gradient"
-        flatten, unflatten = optree.tree_flatten, optree.tree_unflatten
-        grad, zeros_like, tensor = torch.autograd.grad, torch.zeros_like, torch.Tensor
-        transform_active = torch._C._functorch.peek_interpreter_stack
-        grad_enabled = torch.is_grad_enabled
-        as_tensor, check_and_run = self._tensor, prepared.check_and_run
-
-        def direct(x: Any, *args: Any) -> Any:
-            leaves, treedef = flatten(x)
-            leaves += args
-            f = f_ref()
-            if not (
-                f is not None
-                and treedef == x_treedef
-                and len(args) == n_args
-                and all(type(t) is tensor and not t.requires_grad for t in leaves)
-                and [t.dtype for t in leaves] == dtypes
-                and (shapes is None or [t.shape for t in leaves] == shapes)
-                and transform_active() is None
-                and grad_enabled()
-            ):
-                return check_and_run(x, *args)
-            params = [t.detach().requires_grad_() for t in leaves[:n]]
-            try:
-                y = check_output(f(unflatten(x_treedef, params), *args), params)
-            except (TypeError, RuntimeError) as err:
-                _add_numpy_hint(err)
-                raise
-            if not isinstance(y, tensor):
-                y = as_tensor(y)
-            check_scalar(y)
-            if y.requires_grad:
-                grads = [zeros_like(p) if g is None else g for g, p in zip(grad(y, params, allow_unused=True), params)]
-            else:
-                grads = [zeros_like(p) for p in params]
-            g = unflatten(x_treedef, grads)
-            return (y.detach(), g) if with_value else g
-
-        return direct
 
     # ------------------------------------------------------------- composition
     def custom_function(
@@ -677,84 +589,50 @@ class TorchAdapter(Adapter):
         return y, aux, jvps
 
     # ------------------------------------------------------------ composed
-    @_explains_numpy_mix
     # with chunk_size set, the Jacobians are the core's chunks of vmapped vjps or jvps
     def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
-        value = self._value_fn(fn, data)
-
-        def with_value(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            y = value(*a)
-            return y, y
-
-        # Reverse mode costs one backward pass per output element, forward mode one pass
-        # per input element: pick the smaller, from the output size seen once per signature.
-        signature = tuple((tuple(x.shape), x.dtype, x.device) for x in (*xs, *data))
-
-        def output_size() -> int:
-            with torch.no_grad():
-                return value(*xs).numel()
-
-        # peek and put, not get(): get holds the store's lock while f runs, and an f calling a
-        # forward-mode operator would then wait for _FORWARD_MODE under it (a lock-order
-        # deadlock with a thread in forward mode asking for this size); a race computes it twice
-        sizes = artefacts(fn, self.backend, "output size")
-        n_out = sizes.peek(signature)
-        if n_out is None:
-            n_out = output_size()
-            sizes.put(signature, n_out)
-        n_in = sum(x.numel() for x in xs)
-        argnums = tuple(range(len(xs)))
-        if n_out <= n_in:
-            jacs, y = torch.func.jacrev(with_value, argnums, has_aux=True)(*xs)
-        else:
-            with _FORWARD_MODE:
-                jacs, y = torch.func.jacfwd(with_value, argnums, has_aux=True)(*xs)
-        return y, [_like(j, y) for j in jacs]
+        # the prepared run, kept with fn: torch.func's transforms are built once per flat function
+        run = artefacts(fn, self.backend, "jacobian").get(len(xs), lambda: self._jacobian_run(fn, len(xs), True))
+        return run(xs, data)
 
     def prepare_jacobian(self, fn: FlatFn, xs: list, data: list) -> Callable[[list, list], list]:
-        # torch.func's jacrev/jacfwd built once per mode, over (*xs, *data): the per-call
-        # work is the transform's own.  The mode follows the sizes, looked up per shapes.
-        k = len(xs)
-        forward = self._forward(fn)
-        tensor = self._tensor
+        # without the value: carrying it as aux costs jacrev 2-5% on small inputs
+        return self._jacobian_run(fn, len(xs), False)
 
-        def value(*args: torch.Tensor) -> torch.Tensor:
-            return tensor(forward(list(args[:k]), list(args[k:]))[0])
+    def _jacobian_run(self, fn: FlatFn, k: int, with_value: bool) -> Callable[[list, list], Any]:
+        # torch.func's jacrev/jacfwd built once per mode, over (*xs, *data): the per-call work
+        # is the transform's own (and fn's compiled twin, looked up per call: it may fall back to fn).
+        forward_of, tensor = self._forward, self._tensor
+
+        def value(*args: torch.Tensor) -> Any:
+            y = tensor(forward_of(fn)(list(args[:k]), list(args[k:]))[0])
+            return (y, y) if with_value else y
 
         # one input: argnums=0 (a tuple of argnums costs torch.func ~25 us more per call)
         argnums: int | tuple[int, ...] = 0 if k == 1 else tuple(range(k))
-        reverse = torch.func.jacrev(value, argnums)
-        forward_mode = torch.func.jacfwd(value, argnums)
+        reverse = torch.func.jacrev(value, argnums, has_aux=with_value)
+        forward_mode = _forward_mode(torch.func.jacfwd(value, argnums, has_aux=with_value))
         modes: dict[tuple, tuple[Callable, Any]] = {}
 
-        def run(xs: list, data: list) -> list:
-            shapes = tuple(x.shape for x in (*xs, *data))
-            mode = modes.get(shapes)
+        @_explains_numpy_mix
+        def run(xs: list, data: list) -> Any:
+            # Reverse mode costs one backward pass per output element, forward mode one pass
+            # per input element: the smaller, from the output seen once per shapes and dtypes.
+            key = tuple((x.shape, x.dtype) for x in (*xs, *data))
+            mode = modes.get(key)
             if mode is None:
                 with torch.no_grad():
-                    y = value(*xs, *data)
-                if y.numel() <= sum(x.numel() for x in xs):
-                    mode = (reverse, y.dtype)
-                else:
-                    mode = (_forward_mode(forward_mode), y.dtype)
+                    y = tensor(forward_of(fn)(xs, data)[0])
+                mode = (reverse if y.numel() <= sum(x.numel() for x in xs) else forward_mode, y.dtype)
                 if len(modes) < 64:
-                    modes[shapes] = mode
+                    modes[key] = mode
             transform, dtype = mode
-            try:
-                jacs = transform(*xs, *data)
-            except (TypeError, RuntimeError) as err:
-                _add_numpy_hint(err)
-                raise
-            if k == 1:
-                jacs = (jacs,)
-            return [j if j.dtype == dtype or not j.is_floating_point() else j.to(dtype) for j in jacs]
+            jacs, y = transform(*xs, *data) if with_value else (transform(*xs, *data), None)
+            jacs = [j if j.dtype == dtype or not j.is_floating_point() else j.to(dtype) for j in (
+                (jacs,) if k == 1 else jacs)]
+            return (y, jacs) if with_value else jacs
 
         return run
-
-    @_explains_numpy_mix
-    @_forward_mode
-    def hessian(self, fn: FlatFn, xs: list, data: list) -> torch.Tensor:
-        return _like(torch.func.hessian(self._value_fn(fn, data, "hessian"))(xs[0]), xs[0])
 
     @_explains_numpy_mix
     @_forward_mode
@@ -763,24 +641,6 @@ class TorchAdapter(Adapter):
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
         _, hv = _grad_and_hvp(grad, xs, tangents)
         return [_like(h, x) for h, x in zip(hv, xs)]
-
-    @_explains_numpy_mix
-    @_forward_mode
-    def value_gradient_and_hessian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list, list]:
-        # forward over reverse, the value and gradient riding along as aux: one pass
-        argnums = tuple(range(len(xs)))
-        value = self._value_fn(fn, data, "value_gradient_and_hessian")
-
-        def gradient(*a: torch.Tensor) -> tuple[tuple, tuple]:
-            g, y = torch.func.grad_and_value(value, argnums=argnums)(*a)
-            return g, (y, g)
-
-        h, (y, g) = torch.func.jacfwd(gradient, argnums=argnums, has_aux=True)(*xs)
-        return (
-            y.detach(),
-            [_like(gi, x).detach() for gi, x in zip(g, xs)],
-            [[_like(h[i][j], xs[i]) for j in argnums] for i in argnums],
-        )
 
     @_explains_numpy_mix
     @_forward_mode

@@ -519,7 +519,7 @@ def test_gpu_matches_cpu(op, dtype):
     assert_close(on_gpu, GPU_OPS[op](ad.backend("torch"), x), GPU_RTOL[dtype], dtype)
 
 
-# ------------------------------------------------ prepared gradients: the direct closure
+# ------------------------------------------------ prepared gradients of parameter dicts
 def _mlp(params, inputs, targets):
     h = torch.tanh(inputs @ params["w1"] + params["b1"])
     return ((h @ params["w2"] - targets) ** 2).mean()
@@ -532,14 +532,13 @@ def _mlp_inputs(dtype=torch.float64):
     return params, torch.randn(5, 4, generator=g, dtype=dtype), torch.randn(5, 2, generator=g, dtype=dtype)
 
 
-def test_prepared_gradient_of_a_parameter_dict_takes_the_direct_closure(b):
-    """A parameter dict and tensor arguments: one closure does the check and the gradient
-    (no layers); its results equal the core's route, an unconnected leaf's gradient is zeros."""
+def test_prepared_gradient_of_a_parameter_dict(b):
+    """A parameter dict and tensor arguments: the prepared results equal the unprepared ones,
+    are detached, and an unconnected leaf's gradient is zeros."""
     params, inputs, targets = _mlp_inputs()
     prepared = ad.prepare_value_and_gradient(b, _mlp, params, inputs, targets)
-    assert prepared._direct is not None
     y, g = prepared(params, inputs, targets)
-    y_ref, g_ref = prepared.check_and_run(params, inputs, targets)
+    y_ref, g_ref = ad.value_and_gradient(b, _mlp, params, inputs, targets)
     assert not y.requires_grad and torch.equal(y, y_ref)
     for k in params:
         assert torch.equal(g[k], g_ref[k]) and not g[k].requires_grad
@@ -549,7 +548,7 @@ def test_prepared_gradient_of_a_parameter_dict_takes_the_direct_closure(b):
     assert all(not p.requires_grad for p in params.values())  # the caller's tensors untouched
 
 
-def test_direct_closure_refuses_what_the_core_refuses(b):
+def test_prepared_gradient_refuses_another_form(b):
     params, inputs, targets = _mlp_inputs()
     prepared = ad.prepare_value_and_gradient(b, _mlp, params, inputs, targets)
     with pytest.raises(ad.ShapeMismatchError, match="shape/dtype"):
@@ -562,12 +561,11 @@ def test_direct_closure_refuses_what_the_core_refuses(b):
 
 def test_a_numpy_output_is_refused_and_a_number_is_a_constant(b):
     """The core's one numpy-output policy on the routes where torch checks f's output itself
-    (the direct closure, implicit mode) as on the core's: a numpy value cannot depend on the
+    (the gradient route, implicit mode) as on the core's: a numpy value cannot depend on the
     tensors (numpy dropped their derivative); a Python number is a constant."""
     params, inputs, targets = _mlp_inputs()
     numpy_loss = lambda p, i, t: np.float64(_mlp(p, i, t).item())  # noqa: E731
     prepared = ad.prepare_value_and_gradient(b, numpy_loss, params, inputs, targets)
-    assert prepared._direct is not None
     model = torch.nn.Linear(2, 1)
     implicit = lambda x: np.float64(model(x).sum().item())  # noqa: E731
     for call in (
@@ -605,9 +603,9 @@ def test_custom_function_calls_the_rules_that_are_asked_for(b):
     assert batched.shape == (3, 2) and torch.all(batched == 2.0)
 
 
-def test_direct_closure_hands_other_calls_to_the_core(b):
+def test_prepared_gradient_of_parameters_in_a_graph_or_a_transform(b):
     """Parameters that require grad (nn.Parameter), arguments in a graph and calls inside a
-    torch.func transform take the general route, with the same results."""
+    torch.func transform (the nested and torch.func routes) give the same results."""
     params, inputs, targets = _mlp_inputs()
     prepared = ad.prepare_value_and_gradient(b, _mlp, params, inputs, targets)
     _, want = prepared(params, inputs, targets)
