@@ -1,10 +1,13 @@
-"""MLX: ``mx.vjp``/``mx.jvp`` as primitives, ``mx.value_and_grad`` and ``mx.vmap`` as native
-routes, and ``mx.compile`` as the compiled one (``compile=True``), cached per flat function.
+"""MLX: ``mx.vjp``/``mx.jvp`` as primitives (batched by ``mx.vmap``), ``mx.value_and_grad`` and
+``mx.vmap`` as native routes, and ``mx.compile`` as the compiled one (``compile=True``), cached
+per flat function.
 
 An adapter of the protocol (:class:`abstractdiff.protocol.Adapter`): ``ad.backend("mlx")`` is
-the core's backend holding an :class:`MLXAdapter`.  Fast routes: the gradient and its prepared
-form (``mx.value_and_grad``), the Jacobian and the Hessian (one ``mx.vmap`` over a basis) and
-the HVP; variables: the arrays of ``mlx.nn`` modules (:class:`_Variables`).
+the core's backend holding an :class:`MLXAdapter`.  Fast routes (each measured faster than the
+core's derivation from the batched primitives): the prepared gradient (``mx.value_and_grad``,
+which the core also runs per call), the Jacobian and the Hessian (one ``mx.vmap`` over a basis,
+traced with the value) and the HVP (one ``mx.jvp`` of ``mx.grad``, no value of the gradient);
+variables: the arrays of ``mlx.nn`` modules (:class:`_Variables`).
 
 Five MLX habits shape this module:
 
@@ -52,6 +55,7 @@ fails there with :class:`~abstractdiff.TracedControlFlowError`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import weakref
 from typing import Any, Callable, ContextManager, Sequence
@@ -70,7 +74,6 @@ from abstractdiff._errors import (
     CollectedError,
     CompositionError,
     InvalidArgumentError,
-    NonDifferentiableInputError,
     ShapeMismatchError,
     TracedControlFlowError,
 )
@@ -86,16 +89,15 @@ _EVAL_IN_TRANSFORM = "during function transformations"
 # What mx.async_eval says inside any transform (grad, vjp, jvp, vmap, compile).
 _IN_TRANSFORM = "inside a graph transformation"
 
-# numpy dtype name -> MLX dtype (mx.array(a) alone would make float64 float32)
+# numpy dtype name -> MLX dtype (mx.array(a) alone would make float64 float32): MLX names its
+# dtypes as numpy does (str(mx.bool_) is "mlx.core.bool"); an older MLX lacks float64
 _FROM_NUMPY = {
-    name: getattr(mx, attr)
-    for name, attr in (
-        ("bool", "bool_"), ("int8", "int8"), ("int16", "int16"), ("int32", "int32"), ("int64", "int64"),
-        ("uint8", "uint8"), ("uint16", "uint16"), ("uint32", "uint32"), ("uint64", "uint64"),
-        ("float16", "float16"), ("float32", "float32"), ("float64", "float64"), ("bfloat16", "bfloat16"),
-        ("complex64", "complex64"),
-    )
-    if hasattr(mx, attr)
+    str(d).rpartition(".")[2]: d
+    for d in (getattr(mx, name, None) for name in (
+        "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+        "float64", "bfloat16", "complex64",
+    ))
+    if d is not None
 }
 
 
@@ -141,22 +143,27 @@ def _evaluated(*trees: Any) -> None:
 _FOREIGN_KERNELS = [False]
 
 
-def _in_transform() -> bool:
-    """Whether an MLX transform is tracing, with no side effect on the graph: an array made
-    inside a custom vjp rule (where MLX keeps the graph) is a tracer exactly while a
-    transform traces, and mx.async_eval refuses a tracer."""
-    marked = []
+def _in_vjp_rule(action: Callable[[], Any]) -> Any:
+    """``action()`` run inside a custom vjp rule, where MLX keeps the graph (see :func:`_concrete`)."""
+    done = []
 
     def rule(_primals: Any, cotangent: Any, _output: Any) -> Any:
-        marked.append(mx.zeros((1,)) + 0)
+        done.append(action())
         return cotangent
 
     probe = mx.custom_function(lambda z: z)
     probe.vjp(rule)
     zero = mx.array(0.0)
     mx.vjp(probe, [zero], [zero])
+    return done[0]
+
+
+def _in_transform() -> bool:
+    """Whether an MLX transform is tracing, with no side effect on the graph: an array made
+    inside a custom vjp rule is a tracer exactly while a transform traces, and
+    mx.async_eval refuses a tracer."""
     try:
-        mx.async_eval(marked[0])
+        mx.async_eval(_in_vjp_rule(lambda: mx.zeros((1,)) + 0))
     except ValueError as err:
         if _IN_TRANSFORM not in str(err):
             raise
@@ -406,12 +413,6 @@ class _Variables:
     def is_variable(self, v: Any) -> bool:
         return isinstance(v, MLXParameter)
 
-    def check_variable(self, v: Any, where: str) -> None:
-        if not mx.issubdtype(v.dtype, mx.floating):
-            raise NonDifferentiableInputError(
-                f"{where} is an MLX parameter of dtype {v.dtype}; only float arrays can be parameters"
-            )
-
     def model_variables(self, obj: Any) -> tuple[list, int] | None:
         if not isinstance(obj, nn.Module):
             return None
@@ -423,15 +424,7 @@ class _Variables:
         # every array of the module, frozen ones too, with MLX's dotted names
         return [(name, p) for name, p, _ in module_parameters(obj)] if isinstance(obj, nn.Module) else None
 
-    def read(self, var: Any) -> Any:
-        return var._get()
-
-    def write(self, var: Any, value: Any) -> None:
-        _write(var, value)
-
-    def current_value(self, var: Any) -> Any:
-        return var._get()
-
+    # read, write and current_value: the core's, through MLXParameter.value
     def new_variable(self, value: Any) -> Any:
         from abstractdiff._implicit import Variable
 
@@ -441,54 +434,33 @@ class _Variables:
     def swap(self, var: Any, value: Any) -> Any:
         return var._set(value)
 
+    # f with the traced values swapped into the variables, as a flat function of them: the
+    # explicit routes differentiate it eagerly (it has no artefacts, so nothing is compiled)
     def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
-        value, values, args = self._implicit_value(f, variables, args, has_aux, "gradient")
-        with self.adapter._scope():
-            try:
-                (y, aux), grads = mx.value_and_grad(value)(values)
-            except ValueError as err:
-                raise self.adapter._library_error(err) from err
-            _evaluated(y, aux, grads, values)
-        return y, aux, grads
+        value, values = self._implicit_value(f, variables, args, has_aux)
+        return self.adapter.prepare_value_and_gradient(value, values, [])(values, [])
 
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
-        value, values, args = self._implicit_value(f, variables, args, False, None)
-        with self.adapter._scope():
-            y, _ = value(values)
-            _evaluated(y, values)
+        value, values = self._implicit_value(f, variables, args, False)
+        y, _, vjp = self.adapter.value_and_pullback(value, values, [])
+        return y, lambda dy: vjp(self.adapter.backend.cotangent(dy, y))  # the core's check of dy
 
-        def vjp(dy: Any) -> list:
-            dy = self.adapter.backend.cotangent(dy, y)  # the core's check
-            with self.adapter._scope():
-                try:
-                    grads = mx.vjp(lambda *vs: value(list(vs))[0], values, [dy])[1]
-                except ValueError as err:
-                    raise self.adapter._library_error(err) from err
-                _evaluated(grads)
-            return grads
-
-        return y, vjp
-
-    def _implicit_value(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool,
-                        operator: str | None) -> tuple[Callable, list, tuple]:
-        """``values -> (y, aux)``: ``f(*args)`` with ``values`` swapped into the variables."""
+    def _implicit_value(self, f: Callable[..., Any], variables: list, args: tuple,
+                        has_aux: bool) -> tuple[FlatFn, list]:
+        """``(values, []) -> (y, aux)``: ``f(*args)`` with ``values`` swapped into the variables."""
         values = [v._get() for v in variables]
         args = self._fit_data(values, args)
 
-        def value(traced: list) -> tuple[Any, Any]:
-            self.adapter.trace_count += 1
+        def value(traced: list, _: list) -> tuple[Any, Any]:
             old = [v._set(t) for v, t in zip(variables, traced)]
             try:
                 y, aux = split_aux(f(*args), has_aux)
             finally:
                 for v, o in zip(reversed(variables), reversed(old)):
                     v._set(o)
-            y = self.adapter._output(check_output(y, traced))
-            if operator is not None:
-                check_scalar(y, operator)
-            return y, aux
+            return check_output(y, traced), aux
 
-        return value, values, args
+        return value, values
 
     @staticmethod
     def _fit_data(values: list, args: tuple) -> tuple:
@@ -509,8 +481,8 @@ class MLXAdapter(Adapter):
     extra = "mlx"
     modules = ("mlx",)
     fast_routes = {
-        "value_and_gradient": "value_and_gradient", "prepare_value_and_gradient": "prepare_value_and_gradient",
-        "jacobian": "jacobian", "hessian": "hessian", "hvp": "hvp",
+        "prepare_value_and_gradient": "prepare_value_and_gradient", "jacobian": "jacobian", "hessian": "hessian",
+        "hvp": "hvp",
     }
 
     def __init__(self, *, device: str = "cpu", compile: bool = False):
@@ -558,12 +530,6 @@ class MLXAdapter(Adapter):
     def cast(self, a: Any, dtype: str) -> Any:
         return a.astype(_mx_dtype(dtype))
 
-    def zeros_like(self, a: Any) -> Any:
-        return mx.zeros_like(a)
-
-    def ones_like(self, a: Any) -> Any:
-        return mx.ones_like(a)
-
     def snapshot(self, a: Any) -> Any:
         # MLX arrays take in-place updates (a[0] = 1 rebinds the array object to a new
         # graph node); a new array object on the same node keeps the point, costs nothing
@@ -603,10 +569,7 @@ class MLXAdapter(Adapter):
         def jvp(primals: Any, tangents: Any) -> Any:
             inputs = _listed(primals)
             parts = [rule(t, *inputs) for rule, t in zip(jvps, _listed(tangents)) if t is not None]
-            total = parts[0]  # MLX asks for a jvp only along some input's tangent
-            for part in parts[1:]:
-                total = total + part
-            return total
+            return sum(parts[1:], parts[0])  # MLX asks for a jvp only along some input's tangent
 
         op.vjp(vjp)
         op.jvp(jvp)
@@ -674,41 +637,53 @@ class MLXAdapter(Adapter):
         return self._call(call, *args)
 
     # ------------------------------------------------------------- primitives
+    # The batched forms are one mx.vmap of the primitive's transform over the stacked
+    # cotangents or tangents: the core's Jacobians and Hessians are one call per chunk.
     def value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
-        forward, traced = self._compiled(fn, "value", lambda traced: traced)
-        backward, _ = self._compiled(fn, "vjp", _vjp)
-        y, aux = self._call(forward, xs, data)
-        _evaluated(y, aux, xs, data)
+        return self._value_and_linear(fn, xs, data, "vjp", lambda traced, _: _vjp(traced))
 
-        def vjp(dy: Any) -> list:
-            if _empty(xs):  # known without MLX (see _value_and_gradient_past_empty)
-                return [mx.zeros(x.shape, x.dtype) for x in xs]
-            grads = self._call(backward, xs, data, dy)
-            _evaluated(grads)
-            return grads
-
-        return y, traced.aux(xs, data, aux), vjp
+    def value_and_batched_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        return self._value_and_linear(fn, xs, data, "batched vjp", lambda traced, _: _batched(_vjp(traced)))
 
     def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        return self._value_and_linear(fn, xs, data, "jvp", _jvp)
+
+    def value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        return self._value_and_linear(fn, xs, data, "batched jvp", lambda traced, r: _batched(_jvp(traced, r)))
+
+    def _value_and_linear(self, fn: FlatFn, xs: list, data: list, operator: str,
+                          build: Callable[[_Traced, bool], Callable]) -> tuple[Any, Any, Callable]:
+        """``(y, aux, apply)``: ``apply(v)`` is ``build``'s transform (a pullback or a
+        pushforward, batched or not) at ``xs``, run on ``v``."""
         forward, traced = self._compiled(fn, "value", lambda traced: traced)
         y, aux = self._call(forward, xs, data)
-        _evaluated(y, aux, xs, data)
+        # a batched form's value is evaluated with its first batch, in one graph: the core's
+        # Jacobian may read only y's shape (known unevaluated) before switching mode
+        pending = [y, aux, xs, data]
+        if not operator.startswith("batched"):
+            _evaluated(*pending)
+            pending = []
+        pullback = "vjp" in operator
 
-        def jvp(ts: list) -> Any:
-            if _empty(xs):
-                return mx.zeros(y.shape, y.dtype)
-            dy = self._forward_or_reverse(fn, "jvp", _jvp, xs, data, list(ts))
-            if dy.dtype != y.dtype:  # a float64 tangent must not widen a float32 result
-                dy = dy.astype(y.dtype)
-            _evaluated(dy)
-            return dy
+        def apply(v: Any) -> Any:
+            if pullback:
+                lead = v.shape[: v.ndim - y.ndim]  # the batch axis, if any
+                if _empty(xs):  # known without MLX (see _value_and_gradient_past_empty)
+                    return [mx.zeros((*lead, *x.shape), x.dtype) for x in xs]
+                call, _ = self._compiled(fn, operator, lambda traced: build(traced, False))
+                out = self._call(call, xs, data, v)
+            else:
+                if _empty(xs):
+                    return mx.zeros((*v[0].shape[: v[0].ndim - xs[0].ndim], *y.shape), y.dtype)
+                out = self._forward_or_reverse(fn, operator, build, xs, data, list(v))
+                if out.dtype != y.dtype:  # a float64 tangent must not widen a float32 result
+                    out = out.astype(y.dtype)
+            _evaluated(out, *pending)
+            return out
 
-        return y, traced.aux(xs, data, aux), jvp
+        return y, traced.aux(xs, data, aux), apply
 
     # ---------------------------------------------- fast derived operators
-    def value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
-        return self.prepare_value_and_gradient(fn, xs, data)(xs, data)
-
     def prepare_value_and_gradient(self, fn: FlatFn, xs: list, data: list) -> Callable:
         if any(x.size == 0 for x in xs):  # a prepared operator is called with these shapes only
             return lambda xs, data: self._value_and_gradient_past_empty(fn, xs, data)
@@ -728,70 +703,45 @@ class MLXAdapter(Adapter):
 
     def _value_and_gradient_past_empty(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, list]:
         """``value_and_gradient`` where leaves of ``x`` have no elements: their gradients are
-        zeros of their shape, known without MLX, and only the other leaves reach
-        ``mx.value_and_grad`` (eagerly).  MLX's kernels over zero-size arrays have looped
-        forever (see :func:`_from_numpy`): a derivative known without them need not risk it."""
-        traced = _Traced(self, fn, "gradient")
+        zeros of their shape, known without MLX, and only the other leaves reach ``mx.vjp``
+        (eagerly).  MLX's kernels over zero-size arrays have looped forever (see
+        :func:`_from_numpy`): a derivative known without them need not risk it."""
         kept = [i for i, x in enumerate(xs) if x.size]
 
-        def value(sub: list, data: list) -> tuple[Any, list]:
+        def sub(part: list, data: list) -> tuple:  # fn of the leaves with elements
             full = list(xs)
-            for i, v in zip(kept, sub):
+            for i, v in zip(kept, part):
                 full[i] = v
-            return traced(full, data)
+            return fn(full, data)
 
-        with self._scope():
-            try:
-                if kept:
-                    (y, aux), sub = mx.value_and_grad(value)([xs[i] for i in kept], data)
-                else:
-                    (y, aux), sub = value([], data), []
-            except ValueError as err:
-                raise self._library_error(err) from err
-            grads = [mx.zeros(x.shape, x.dtype) for x in xs]
-            for i, g in zip(kept, sub):
-                grads[i] = g
-            _evaluated(y, aux, grads, xs, data)
-        return y, traced.aux(xs, data, aux), grads
-
-    def _value_of_empty(self, fn: FlatFn, xs: list, data: list, operator: str | None) -> Any:
-        """``f``'s value at an ``x`` with no elements (whose derivatives are known to be empty);
-        ``operator``: the one that needs a scalar ``y``, if any."""
-        with self._scope():
-            try:
-                y, _ = _Traced(self, fn, operator)(xs, data)
-            except ValueError as err:
-                raise self._library_error(err) from err
-            _evaluated(y, xs, data)
-        return y
+        y, aux, vjp = self.value_and_pullback(sub, [xs[i] for i in kept], data)
+        check_scalar(y, "gradient")
+        grads = [mx.zeros(x.shape, x.dtype) for x in xs]
+        for i, g in zip(kept, vjp(mx.ones_like(y)) if kept else []):
+            grads[i] = g
+        _evaluated(grads)
+        return y, aux, grads
 
     # jacobian and hessian are taken only without chunk_size: mx.vmap over the whole basis has
-    # no chunks, the core's are chunks of pullbacks
+    # no chunks, the core's are chunks of batched primitive calls.  An x with no element goes to
+    # the core's derivation, whose primitives know the (empty) derivatives without MLX.
     def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
         if _empty(xs):
-            y = self._value_of_empty(fn, xs, data, None)
-            return y, [mx.zeros((*y.shape, *x.shape), y.dtype) for x in xs]
-        try:
-            y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
-        except CompositionError:
-            # f calls another library's kernel (ad.differentiate_with) where it gets no
-            # concrete values (the backend's compile=True): the core's route, one pullback per row
             return DerivedOperators.flat_jacobian(self.backend, fn, xs, data)
+        y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
         _evaluated(y, jacs, xs, data)
         return y, list(jacs)
 
     def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         if _empty(xs):
-            self._value_of_empty(fn, xs, data, "hessian")  # f's errors, a non-scalar y's
-            return mx.zeros((*xs[0].shape, *xs[0].shape), xs[0].dtype)
+            return DerivedOperators.flat_hessian(self.backend, fn, xs, data)
         h = self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data)
         _evaluated(h, xs, data)
         return h
 
     def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         if _empty(xs):
-            self._value_of_empty(fn, xs, data, "hvp")
-            return [mx.zeros(x.shape, x.dtype) for x in xs]
+            return DerivedOperators.flat_hvp(self.backend, fn, xs, data, tangents)
         hv = self._forward_or_reverse(fn, "hvp", _hvp, xs, data, list(tangents))
         _evaluated(hv, xs, data)
         return list(hv)
@@ -830,6 +780,11 @@ def _vjp(traced: _Traced) -> Callable:
     return lambda xs, data, dy: mx.vjp(traced.value(data), xs, [dy])[1]
 
 
+def _batched(one: Callable) -> Callable:
+    """``one(xs, data, v)`` over a stack of ``v`` (leading axis), by ``mx.vmap``."""
+    return lambda xs, data, vs: mx.vmap(lambda v: one(xs, data, v))(vs)
+
+
 def _jvp(traced: _Traced, reverse: bool) -> Callable:
     def jvp(xs: list, data: list, ts: list) -> Any:
         value = traced.value(data)
@@ -843,38 +798,33 @@ def _jvp(traced: _Traced, reverse: bool) -> Callable:
 
 
 def _jacobian(traced: _Traced, reverse: bool) -> Callable:
-    def jacobian(xs: list, data: list) -> tuple[Any, list]:
-        value = traced.value(data)
-        y = value(*xs)
-        n_out = y.size
-        if reverse or n_out <= sum(x.size for x in xs):  # one reverse pass per output element
-            # shapes as tuples: MLX 0.32 crashes on a.reshape() with no argument (a 0-d result)
-            basis = mx.eye(n_out, dtype=y.dtype).reshape((n_out, *y.shape))
-            rows = mx.vmap(lambda ct: mx.vjp(value, xs, [ct])[1])(basis)
-            return y, [r.reshape((*y.shape, *x.shape)) for r, x in zip(rows, xs)]
-        jacs = []  # one forward pass per input element
-        for k, x in enumerate(xs):
-            def column(t: Any, k: int = k) -> Any:
-                return mx.jvp(lambda xk: value(*xs[:k], xk, *xs[k + 1:]), [xs[k]], [t])[1][0]
+    vjps, jvps = _batched(_vjp(traced)), _batched(_jvp(traced, False))
 
-            basis = mx.eye(x.size, dtype=x.dtype).reshape((x.size, *x.shape))
-            cols = mx.vmap(column)(basis).reshape((x.size, n_out))
-            jacs.append(cols.T.reshape((*y.shape, *x.shape)).astype(y.dtype))
-        return y, jacs
+    def jacobian(xs: list, data: list) -> tuple[Any, list]:
+        y = traced.value(data)(*xs)
+        n_in, n_out = sum(x.size for x in xs), y.size
+        if reverse or n_out <= n_in:  # one reverse pass per output element
+            # shapes as tuples: MLX 0.32 crashes on a.reshape() with no argument (a 0-d result)
+            rows = vjps(xs, data, mx.eye(n_out, dtype=y.dtype).reshape((n_out, *y.shape)))
+            return y, [r.reshape((*y.shape, *x.shape)) for r, x in zip(rows, xs)]
+        # one forward pass per input element: the input basis, cut into the leaves
+        cuts = [(x, end - x.size, end) for x, end in zip(xs, itertools.accumulate(x.size for x in xs))]
+        eye = mx.eye(n_in)
+        cols = jvps(xs, data, [eye[:, a:b].astype(x.dtype).reshape((n_in, *x.shape)) for x, a, b in cuts])
+        flat = cols.reshape((n_in, n_out)).T.astype(y.dtype)
+        return y, [flat[:, a:b].reshape((*y.shape, *x.shape)) for x, a, b in cuts]
 
     return jacobian
 
 
 def _hessian(traced: _Traced, reverse: bool) -> Callable:
+    hvps = _batched(_hvp(traced, reverse))
+
     def hessian(x: Any, data: list) -> Any:
-        grad = mx.grad(lambda x: traced([x], data)[0])
         n = x.size
-        basis = mx.eye(n, dtype=x.dtype).reshape((n, *x.shape))
-        if reverse:  # row i: e_i^T H
-            return mx.vmap(lambda e: mx.vjp(grad, [x], [e])[1][0])(basis).reshape((*x.shape, *x.shape))
-        # forward over reverse; row i is H e_i, column i of H: transposed into place
-        cols = mx.vmap(lambda t: mx.jvp(grad, [x], [t])[1][0])(basis).reshape((n, n))
-        return cols.T.reshape((*x.shape, *x.shape))
+        h = hvps([x], data, [mx.eye(n, dtype=x.dtype).reshape((n, *x.shape))])[0].reshape((n, n))
+        # reverse: row i is e_i^T H; forward over reverse: H e_i, column i, transposed into place
+        return (h if reverse else h.T).reshape((*x.shape, *x.shape))
 
     return hessian
 
@@ -941,23 +891,15 @@ def _concrete(arrays: tuple) -> list[np.ndarray | None]:
     Evaluated inside a custom vjp rule, where MLX keeps the graph: an evaluation elsewhere
     (in a jvp rule) detaches the arrays an inner transform has marked done with, cutting
     an outer transform's graph, and a third derivative would come out silently zero."""
-    values: list[np.ndarray | None] = []
+    def value(a: Any) -> np.ndarray | None:
+        try:
+            return np.array(a)
+        except ValueError as err:
+            if _EVAL_IN_TRANSFORM not in str(err):
+                raise
+            return None
 
-    def evaluate(_: Any, cotangent: Any, __: Any) -> Any:
-        for a in arrays:
-            try:
-                values.append(np.array(a))
-            except ValueError as err:
-                if _EVAL_IN_TRANSFORM not in str(err):
-                    raise
-                values.append(None)
-        return cotangent
-
-    probe = mx.custom_function(lambda z: z)
-    probe.vjp(evaluate)
-    zero = mx.array(0.0)
-    mx.vjp(probe, [zero], [zero])
-    return values
+    return _in_vjp_rule(lambda: [value(a) for a in arrays])
 
 
 def _through_traced(compute: Callable[..., np.ndarray], values: list, args: tuple, dtype: Any) -> Any:
