@@ -317,13 +317,18 @@ class CaptureWatch:
         False
     """
 
-    __slots__ = ("_guard", "_key", "_refs", "_dead")
+    __slots__ = ("_guard", "_key", "_refs", "_dead", "unchanged")
 
     def __init__(self, f: Callable[..., Any]) -> None:
         self._guard = capture_guard(f)
         self._key: Any = None
         self._refs: list[Any] = []
         self._dead = False
+        #: ``unchanged(f) -> bool``: the guard's own test where there is one (bound once: it
+        #: runs on every prepared call of a backend that reuses traces), else the full key's
+        self.unchanged: Callable[[Callable[..., Any]], bool] = (
+            self._guard.unchanged if self._guard is not None else self._key_unchanged
+        )
         if self._guard is None:
             self._key, alive = captures(f)
             for obj in alive:
@@ -335,7 +340,5 @@ class CaptureWatch:
     def _expire(self, _ref: Any) -> None:
         self._dead = True
 
-    def unchanged(self, f: Callable[..., Any]) -> bool:
-        if self._guard is not None:
-            return self._guard.unchanged(f)
+    def _key_unchanged(self, f: Callable[..., Any]) -> bool:
         return not self._dead and captures(f)[0] == self._key

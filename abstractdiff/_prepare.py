@@ -493,7 +493,9 @@ class Prepared:
         self.call: Callable[..., Any] = self._direct if self._direct is not None else self.check_and_run
 
     def __call__(self, x: Any, *args: Any) -> Any:
-        if self._watch is not None:
+        # the hot path of every prepared call: the watch's test inline, _fresh only on a change
+        watch = self._watch
+        if watch is not None and not watch.unchanged(self.f):
             self._fresh(x, args)
         return self.call(x, *args)
 
@@ -609,7 +611,8 @@ class PreparedHvp(Prepared):
         super().__init__(b, f, x, args)
 
     def __call__(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
-        if self._watch is not None:
+        watch = self._watch
+        if watch is not None and not watch.unchanged(self.f):
             self._fresh(x, args)
         return self.call(x, v, *args)
 

@@ -202,14 +202,14 @@ class _Compiled:
     silently wrong result).  Calls of one compiled function are therefore serialised; other
     compiled functions run in parallel."""
 
-    __slots__ = ("function", "n", "aux", "_lock")
+    __slots__ = ("function", "n", "aux", "lock")
 
     def __init__(self, function: Any, n: int, aux: Any):
         self.function, self.n, self.aux = function, n, aux
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def __call__(self, arrays: list) -> tuple[list, Any]:
-        with self._lock:  # a copy of the list: a VM may return one list object every call
+        with self.lock:  # a copy of the list: a VM may return one list object every call
             out = list(self.function(*arrays))
         if self.aux is None:
             return out, None
@@ -468,6 +468,37 @@ class PyTensorAdapter(Adapter):
 
     def hvp(self, fn: Any, xs: list, data: list, tangents: list) -> list:
         return self._run(fn, "hvp", self._hvp_body, xs, data, list(tangents))[0]
+
+    # ------------------------------------------------------------ compile step
+    def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
+        # The gradient of f(x, *arrays) without aux: the graph compiled for these inputs' shapes
+        # and dtypes is the whole call, behind a test of each input against them (the function
+        # trusts its inputs).  Anything else goes to the core's checked call: its
+        # ShapeMismatchError, or (an unprepared operator's, any shape) the graph of that shape.
+        fn, arrays = prepared.fn, xs + data
+        if (prepared.operator not in ("value_and_gradient", "gradient") or fn.has_aux or not fn._array_args
+                or any(type(a) is not np.ndarray for a in arrays)):
+            return None
+        store, variant, checked = artefacts(fn, self.backend, "value_and_gradient"), _signature(arrays), \
+            prepared.check_and_run
+        (shape, dtype), forms, value = variant[0], variant[1:], prepared.operator == "value_and_gradient"
+        compiled = store.peek(variant)  # else compiled by the first (checked) call, as without this route
+
+        def direct(x: Any, *args: Any) -> Any:
+            nonlocal compiled
+            if compiled is not None and type(x) is np.ndarray and x.shape == shape and x.dtype == dtype and (
+                not forms if not args else len(args) == len(forms) and all(
+                    type(a) is np.ndarray and a.shape == s and a.dtype == d for a, (s, d) in zip(args, forms))
+            ):
+                with compiled.lock:
+                    y, g = compiled.function(x, *args)
+                return (y, g) if value else g
+            out = checked(x, *args)
+            if compiled is None:
+                compiled = store.peek(variant)
+            return out
+
+        return direct
 
 
 class _Variables:
