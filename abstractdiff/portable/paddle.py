@@ -6,17 +6,20 @@ inverse, cholesky... (a Hessian or a pushforward through them fails), and its gr
 ``linalg.solve`` and ``triangular_solve`` are wrong or crash with a constant operand.  Each
 translation takes numpy's arguments and is built from paddle ops that have derivatives of every
 order and keep dtype and place; the linear algebra uses PyLayers with explicit adjoints
-(``_Solve``, ``_Inverse``, ``_Slogdet``, ``_Cholesky`` in :func:`translations`).  The adapter
-imports the helpers both need (:func:`_arrays`, :func:`_fresh`, :func:`_needs_grad`) from here.
+(``_Solve``, ``_Inverse``, ``_Slogdet``, ``_Cholesky`` in :func:`translations`).  Where f
+meets one of these gaps anyway, :func:`explained` turns paddle's message into one that names
+the op and the fix (these translations among them).  The adapter imports the helpers both need
+(:func:`_arrays`, :func:`_fresh`, :func:`_needs_grad`) from here.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import numpy as np
 
-from .._errors import InvalidArgumentError
+from .._errors import AbstractDiffError, ArgumentTypeError, CompositionError, InvalidArgumentError
 from . import Table
 
 
@@ -39,6 +42,95 @@ def _needs_grad(t: Any) -> bool:
     import paddle  # imported by the adapter already: a lookup in sys.modules
 
     return isinstance(t, paddle.Tensor) and not t.stop_gradient
+
+
+# ------------------------------------------------ what paddle's failures mean
+#: What paddle says when an op has no derivative of its gradient (max, prod, softmax...).
+_NO_SECOND_DERIVATIVE = "doesn't have any grad op"
+#: What paddle 3.3 says when a double-grad kernel wants the gradient of an input nobody
+#: asked for (pow's: the derivative of an inner gradient of x**2 with respect to other inputs).
+MISSING_INPUT_GRADIENT = "can not be nullptr"
+_SECOND_DERIVATIVE_HINT = (
+    "paddle backend: f uses an op whose gradient paddle 3.3 cannot differentiate (its *_grad op has no grad "
+    "op: max, min, prod, cumprod, logsumexp, softmax, log_softmax, linalg.norm, sort, einsum and strided "
+    "slices x[::2] among others), and second derivatives (hessian, hvp, an operator nested in another) need "
+    "one. Through autoray, max, min, prod, logsumexp, softmax and log_softmax are translated to ops that "
+    "paddle differentiates twice; elsewhere, write f with such ops."
+)
+_POW_HINT = (
+    "paddle backend: paddle 3.3's higher-order derivative kernels of pow (x**k) fail in some nested "
+    "uses (a third derivative, or an outer derivative through an inner pushforward); written as a "
+    "product (x * x * x), the same function avoids them."
+)
+#: (what paddle says, the note abstractdiff adds) for paddle's higher-order failures
+_HINTS = (
+    (_NO_SECOND_DERIVATIVE, _SECOND_DERIVATIVE_HINT),
+    (MISSING_INPUT_GRADIENT, _POW_HINT),
+    ("MetaTensor is not initialized", _POW_HINT),
+)
+
+
+#: paddle 3.3's words for an op whose gradient has no derivative of its own (diagonal_grad...)
+_NO_GRAD_OP = re.compile(r"The Op (\w+) doesn't have any grad op")
+#: ... for a kernel its build lacks in a dtype (its CPU build has no float16 sin, multiply...)
+_NO_KERNEL = re.compile(r"kernel with key \((\w+), [^,]*, (\w+)\) of kernel `(\w+)` is not registered")
+#: ... for a second derivative through concat or stack of a constant with differentiated tensors
+_EMPTY_GRAD_SLOT = "Unable to fill empty grad inputs"
+_SECOND_ORDER_FIX = (
+    'ad.SecondOrder("finite_differences", b) (second-order operators as finite differences of paddle\'s '
+    "exact gradient)"
+)
+
+
+def explained(err: BaseException) -> Exception | None:
+    """An abstractdiff error for a paddle failure whose cause and fix abstractdiff knows
+    (:func:`_translated`), else ``None``, after adding a note to ``err`` where one helps
+    (:data:`_HINTS`)."""
+    message = str(err)
+    if not isinstance(err, AbstractDiffError):  # else already ours (an operator nested in another)
+        translated = _translated(message)
+        if translated is not None:
+            return translated
+    if isinstance(err, (RuntimeError, ValueError)):
+        notes = getattr(err, "__notes__", ())
+        for pattern, hint in _HINTS:
+            if pattern in message and hint not in notes:
+                err.add_note(hint)
+    return None
+
+
+def _translated(message: str) -> Exception | None:
+    """paddle raises these as RuntimeError or SystemError with its own internals in the message
+    (the grad op, the kernel key): the user needs which operation failed, why, and what to do."""
+    missing = _NO_GRAD_OP.search(message)
+    if missing is not None:
+        op = missing.group(1)
+        out: Exception = CompositionError(
+            f"paddle backend: paddle 3.3 has no derivative of {op}, the gradient of paddle's "
+            f"{op.removesuffix('_grad')} (paddle: \"The Op {op} doesn't have any grad op\"), and a second "
+            f"derivative (hessian, hvp, forward mode through a gradient, an operator nested in another) needs "
+            f"one. Use {_SECOND_ORDER_FIX}, or write f with the portable functions (docs/guide/portable.md), "
+            f"which the paddle backend translates to ops that paddle differentiates twice"
+        )
+        out.add_note(_SECOND_DERIVATIVE_HINT)
+        return out
+    kernel = _NO_KERNEL.search(message)
+    if kernel is not None:
+        device, dtype, op = kernel.groups()
+        return ArgumentTypeError(
+            f"paddle backend: this paddle build has no {dtype} kernel of {op} on the {device} (paddle: "
+            f"\"The kernel with key ({device}, ..., {dtype}) of kernel `{op}` is not registered\"); compute in "
+            f"float32 on the {device} (x.astype('float32'), and float32 data), or in {dtype} on a GPU where "
+            f"paddle has such kernels (ad.backend('paddle', device='gpu'))"
+        )
+    if _EMPTY_GRAD_SLOT in message:
+        return CompositionError(
+            "paddle backend: paddle 3.3 cannot take a second derivative through paddle.concat or paddle.stack of "
+            "a constant with differentiated tensors (paddle: \"Unable to fill empty grad inputs due to empty "
+            "GradSlotMeta\"). Join them with autoray's concatenate or stack (the paddle backend translates "
+            f"them so that this works), give the constant stop_gradient=False, or use {_SECOND_ORDER_FIX}"
+        )
+    return None
 
 
 def translations() -> Table:
