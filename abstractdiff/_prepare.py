@@ -489,8 +489,45 @@ class Prepared:
         self._replan = replan
         # the library's own dispatcher doing the checks, where the adapter offers one
         self._direct = backend.direct_prepared(self, xs, data)
-        #: the whole call: the adapter's direct one, else the check in Python and the run
-        self.call: Callable[..., Any] = self._direct if self._direct is not None else self.check_and_run
+        #: the whole call: the adapter's direct one, else the core's lean gradient call, else
+        #: the check in Python and the run
+        self.call: Callable[..., Any] = self._direct or self._lean_gradient_call(x, args) or self.check_and_run
+
+    def _lean_gradient_call(self, x: Any, args: tuple) -> Callable[..., Any] | None:
+        """A gradient of ``f(x, *arrays)`` (no aux) prepared with the backend's own arrays:
+        the signature check, the run and the result inlined in one closure (a few frames and
+        conversions fewer: the hot path of small functions and training loops).  A call with
+        inputs of another type, shape or dtype goes to :meth:`check_and_run`, which says what
+        changed (or, for an unprepared operator's own, plans them)."""
+        fn, backend, prep = self.fn, self.backend, self.preparation
+        run = getattr(prep, "_run", None)
+        if (not isinstance(prep, ValueAndGradientPrep) or fn.has_aux or not fn._array_args or run is None
+                or not all(backend.is_native(a) for a in (x, *args))):
+            return None
+        types = [type(a) for a in (x, *args)]
+        raw = self.signature.x_raw + self.signature.data_raw
+        n, with_value, check_and_run = len(args), self.operator == ValueAndGradientPrep.operator, self.check_and_run
+        zeros_like = backend.zeros_like
+
+        def lean(x: Any, *args: Any) -> Any:
+            leaves = (x, *args)
+            try:
+                same = len(args) == n and all(
+                    type(a) is t and (s is None or a.shape == s) and a.dtype == d
+                    for a, t, (s, d) in zip(leaves, types, raw)
+                )
+            except Exception:  # dtypes of two libraries that do not compare
+                same = False
+            if not same:
+                return check_and_run(x, *args)
+            y, _, grads = run([x], list(args))
+            check_scalar(y)
+            g = grads[0]
+            if g is None:  # f does not depend on x
+                g = zeros_like(x)
+            return (y, g) if with_value else g
+
+        return lean
 
     def __call__(self, x: Any, *args: Any) -> Any:
         # the hot path of every prepared call: the watch's test inline, _fresh only on a change

@@ -307,3 +307,41 @@ def test_tensorflow_prepared_call_lets_the_input_signature_check(monkeypatch):
     for bad in (tf.cast(x, tf.float64), tf.ones(5), np.asarray(x, np.float64), (x,)):
         with pytest.raises(ad.ShapeMismatchError):
             grad(bad, w)
+
+
+# ------------------------------------------------ the core's lean gradient call
+@pytest.mark.parametrize("name", ["autograd", "finite_differences"])
+def test_the_lean_gradient_call_checks_what_the_full_call_checks(name):
+    """A prepared gradient of f(x, *arrays) on the backend's own arrays is one closure: the
+    same results, zeros for an unconnected x, and any other form refused (or, unprepared,
+    planned) as the full call does."""
+    b = ad.backend(name)
+    f = lambda x, a: (a * x**2).sum()  # noqa: E731
+    x, a = np.array([1.0, 2.0]), np.array([3.0, 1.0])
+    vg, g = ad.prepare_value_and_gradient(b, f, x, a), ad.prepare_gradient(b, f, x, a)
+    assert vg.call.__name__ == "lean" and g.call.__name__ == "lean"
+    y, grad = vg(x, a)
+    np.testing.assert_allclose(float(y), 7.0, rtol=1e-6)
+    np.testing.assert_allclose(grad, [6.0, 4.0], rtol=1e-5)
+    np.testing.assert_allclose(g(x, a), grad)
+    with pytest.raises(ad.ShapeMismatchError, match="shape/dtype"):
+        g(np.ones(3), a)
+    with pytest.raises(ad.ShapeMismatchError, match="shape/dtype"):
+        g(x.astype(np.float32), a)
+    with pytest.raises(ad.ShapeMismatchError):
+        g(x)  # an argument fewer
+    constant = ad.prepare_gradient(b, lambda x: np.float64(3.0), x)
+    np.testing.assert_array_equal(constant(x), np.zeros(2))
+    for n in (2, 3, 2, 5):  # unprepared: its own prepared call, any shape
+        np.testing.assert_allclose(ad.gradient(b, lambda x: (x**2).sum(), np.ones(n)), 2 * np.ones(n), rtol=1e-5)
+
+
+def test_the_lean_gradient_call_is_not_taken_for_aux_or_pytrees():
+    b = ad.backend("autograd")
+    x = np.array([1.0, 2.0])
+    with_aux = ad.prepare_gradient(b, lambda x: ((x**2).sum(), 1), x, has_aux=True)
+    tree = ad.prepare_gradient(b, lambda p: (p["w"] ** 2).sum(), {"w": x})
+    assert with_aux.call == with_aux.check_and_run and tree.call == tree.check_and_run
+    g, aux = with_aux(x)
+    np.testing.assert_allclose(g, 2 * x)
+    assert aux == 1
