@@ -30,6 +30,23 @@ def dtype_name(a: Any) -> str:
     return ar().get_dtype_name(a)
 
 
+def signature(*groups: Any) -> tuple:
+    """``((shape, dtype), ...)`` of every array of ``groups``, in order: what a library's trace
+    of a function depends on (the key of its compiled variants)."""
+    return tuple((tuple(a.shape), a.dtype) for group in groups for a in group)
+
+
+def bfloat16_numpy(widened: Any) -> Any:
+    """bfloat16 values read out as float32 numpy, in ml_dtypes' bfloat16 where it is installed
+    (numpy has no bfloat16 of its own; jax and tensorflow ship ml_dtypes), else left float32,
+    which holds them exactly."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return widened
+    return widened.astype(ml_dtypes.bfloat16)
+
+
 def check_scalar(y: Any, operator: str = "gradient") -> None:
     if y.shape == ():  # the common case, cheaply (library shape objects compare to ())
         return

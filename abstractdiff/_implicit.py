@@ -55,6 +55,21 @@ class _Reads(threading.local):
 _reads = _Reads()
 
 
+def check_assignment(label: str, old: Any, new: Any, shape_hint: str = "", dtype_hint: str = "") -> None:
+    """Refuse writing ``new`` into the variable ``label`` holding ``old`` unless it keeps the
+    shape (:class:`~abstractdiff.ShapeMismatchError`) and the dtype (``ArgumentTypeError``):
+    a variable's shape and dtype are its own (an optimiser's state was built for them)."""
+    if shape_of(new) != shape_of(old):
+        raise ShapeMismatchError(
+            f"cannot assign an array of shape {shape_of(new)} to {label} of shape {shape_of(old)}{shape_hint}"
+        )
+    if dtype_name(new) != dtype_name(old):
+        raise ArgumentTypeError(
+            f"cannot assign a {dtype_name(new)} array to {label}, which holds {dtype_name(old)}; cast the new "
+            f"value to {dtype_name(old)}{dtype_hint}"
+        )
+
+
 class Variable:
     """A mutable box holding one array, for libraries whose arrays are immutable.
 
@@ -94,21 +109,12 @@ class Variable:
             new = new.value
         if not is_array(new):
             new = np.asarray(new, dtype=dtype_name(self._value))
-        if shape_of(new) != shape_of(self._value):
-            raise ShapeMismatchError(
-                f"cannot assign an array of shape {shape_of(new)} to {self._label()} of shape "
-                f"{shape_of(self._value)}; a Variable keeps its shape (create a new ad.Variable instead)"
-            )
-        old, got = dtype_name(self._value), dtype_name(new)
-        if got != old:
-            hint = (
-                " (jax computes in float32 outside `with jax.enable_x64(True):`; run the update in that scope)"
-                if old == "float64" and got == "float32"
-                else ""
-            )
-            raise ArgumentTypeError(
-                f"cannot assign a {got} array to {self._label()}, which holds {old}; cast the new value to {old}{hint}"
-            )
+        jax_hint = (
+            " (jax computes in float32 outside `with jax.enable_x64(True):`; run the update in that scope)"
+            if dtype_name(self._value) == "float64" and dtype_name(new) == "float32" else ""
+        )
+        check_assignment(self._label(), self._value, new,
+                         "; a Variable keeps its shape (create a new ad.Variable instead)", jax_hint)
         self._value = new
 
     def _swap(self, new: Any) -> Any:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from abstractdiff._arrays import check_scalar
+from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._compose import ForeignKernel, boundary_error
 from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
 from abstractdiff._tree import HasArtefacts, _static_key, artefacts
@@ -67,10 +67,6 @@ _DIRECT_OPERATORS = frozenset({
 
 def _wants_x64(*groups: list) -> bool:
     return any(getattr(a, "dtype", None) in _WIDE for group in groups for a in group)
-
-
-def _signature(xs: list, data: list) -> tuple:
-    return tuple((tuple(a.shape), a.dtype) for a in (*xs, *data))
 
 
 def _platform_devices(platform: str) -> list[Any]:
@@ -236,7 +232,7 @@ class JaxAdapter(Adapter):
                 leaves, treedef = jax.tree_util.tree_flatten(aux)
                 dynamic = [isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves]
                 static = [None if d else v for v, d in zip(leaves, dynamic)]
-                statics[_signature(xs, data)] = (treedef, dynamic, static)
+                statics[signature(xs, data)] = (treedef, dynamic, static)
                 aux = [v for v, d in zip(leaves, dynamic) if d]
             return jnp.asarray(y), aux
 
@@ -251,7 +247,7 @@ class JaxAdapter(Adapter):
     def _aux(self, fn: Any, operator: str | None, xs: list, data: list, aux: Any) -> Any:
         if aux is None or not isinstance(fn, HasArtefacts):  # not split: see _compiled
             return aux
-        treedef, dynamic, static = self._aux_statics(fn, operator)[_signature(xs, data)]  # type: ignore[index]
+        treedef, dynamic, static = self._aux_statics(fn, operator)[signature(xs, data)]  # type: ignore[index]
         values = iter(aux)
         return jax.tree_util.tree_unflatten(treedef, [next(values) if d else v for d, v in zip(dynamic, static)])
 
@@ -280,14 +276,14 @@ class JaxAdapter(Adapter):
 
             def forward(xs: list, data: list) -> tuple:
                 y, closure, aux = transform(lambda xs: traced(xs, data), xs, has_aux=True)
-                residuals, trees[_signature(xs, data)] = jax.tree_util.tree_flatten(closure)
+                residuals, trees[signature(xs, data)] = jax.tree_util.tree_flatten(closure)
                 return y, residuals, aux
 
             return forward
 
         with self._scope(x64):
             y, residuals, aux = self._compiled(fn, name, x64, build)(xs, data)
-        return y, self._aux(fn, None, xs, data, aux), residuals, trees[_signature(xs, data)]
+        return y, self._aux(fn, None, xs, data, aux), residuals, trees[signature(xs, data)]
 
     def _applied(self, fn: Callable, name: str, x64: bool, residuals: list, treedef: Any, apply: Callable) -> Callable:
         """``arg -> apply(closure, arg)``, compiled per closure tree, the closure rebuilt inside."""

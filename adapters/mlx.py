@@ -66,7 +66,7 @@ import numpy as np
 import optree
 from mlx.utils import tree_flatten
 
-from abstractdiff._arrays import check_scalar
+from abstractdiff._arrays import bfloat16_numpy, check_scalar, signature
 from abstractdiff._cache import WeakLRU
 from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import (
@@ -74,9 +74,9 @@ from abstractdiff._errors import (
     CollectedError,
     CompositionError,
     InvalidArgumentError,
-    ShapeMismatchError,
     TracedControlFlowError,
 )
+from abstractdiff._implicit import check_assignment
 from abstractdiff._tree import HasArtefacts, artefacts, check_output, split_aux
 from abstractdiff.portable.mlx import _one
 from abstractdiff.protocol import Adapter
@@ -108,10 +108,6 @@ def _mx_dtype(name: str) -> Any:
         raise ArgumentTypeError(
             f"mlx backend: MLX has no dtype {name!r}; its dtypes are {', '.join(sorted(_FROM_NUMPY))}"
         ) from None
-
-
-def _signature(*groups: Sequence[Any]) -> tuple:
-    return tuple((a.shape, a.dtype) for group in groups for a in group)
 
 
 def _evaluated(*trees: Any) -> None:
@@ -317,13 +313,7 @@ def module_parameters(model: nn.Module) -> list[tuple[str, MLXParameter, bool]]:
 
 def _to_numpy(a: Any) -> np.ndarray:
     if a.dtype == mx.bfloat16:
-        # numpy has no bfloat16 of its own: ml_dtypes' keeps the dtype; without it,
-        # widen to float32 exactly (as the torch adapter does)
-        try:
-            import ml_dtypes
-        except ImportError:
-            return np.array(a.astype(mx.float32))
-        return np.array(a.astype(mx.float32)).astype(ml_dtypes.bfloat16)
+        return bfloat16_numpy(np.array(a.astype(mx.float32)))
     return np.array(a)
 
 
@@ -347,16 +337,7 @@ def _write(var: MLXParameter, value: Any) -> None:
     old = var._get()
     if not isinstance(value, mx.array):
         value = _from_numpy(np.asarray(value), old.dtype)
-    if tuple(value.shape) != tuple(old.shape):
-        raise ShapeMismatchError(
-            f"cannot assign an array of shape {tuple(value.shape)} to MLX parameter {var.name!r} of shape "
-            f"{tuple(old.shape)}"
-        )
-    if value.dtype != old.dtype:
-        raise ArgumentTypeError(
-            f"cannot assign a {value.dtype} array to MLX parameter {var.name!r}, which holds {old.dtype}; "
-            f"cast the new value first"
-        )
+    check_assignment(f"MLX parameter {var.name!r}", old, value)
     var._set(value)
 
 
@@ -385,7 +366,7 @@ class _Traced:
             return y, []
         leaves, treedef = optree.tree_flatten(aux, none_is_leaf=True)
         dynamic = [isinstance(v, mx.array) for v in leaves]
-        self.statics[_signature(xs, data)] = (treedef, dynamic, [None if d else v for v, d in zip(leaves, dynamic)])
+        self.statics[signature(xs, data)] = (treedef, dynamic, [None if d else v for v, d in zip(leaves, dynamic)])
         return y, [v for v, d in zip(leaves, dynamic) if d]
 
     def value(self, data: list) -> Callable[..., Any]:
@@ -395,7 +376,7 @@ class _Traced:
     def aux(self, xs: list, data: list, arrays: list) -> Any:
         if not getattr(self.fn, "has_aux", True):
             return None
-        found = self.statics.get(_signature(xs, data))
+        found = self.statics.get(signature(xs, data))
         if found is None:  # f returned no aux (None)
             return None
         treedef, dynamic, static = found

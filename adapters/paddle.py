@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import optree
 
-from abstractdiff._arrays import check_scalar, size_of
+from abstractdiff._arrays import bfloat16_numpy, check_scalar, size_of
 from abstractdiff._errors import ArgumentTypeError, CompositionError, ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
 from abstractdiff.portable.paddle import MISSING_INPUT_GRADIENT, _arrays, _fresh, _needs_grad, explained
@@ -434,15 +434,8 @@ class PaddleAdapter(Adapter):
 
     @_dynamic
     def to_numpy(self, a: Any) -> np.ndarray:
-        if a.dtype == paddle.bfloat16:
-            # paddle hands bfloat16 to numpy as its raw uint16 bits: ml_dtypes' bfloat16
-            # (shipped with jax and tensorflow) keeps the dtype; without it, widen to float32.
-            values = a.detach().astype("float32").numpy()
-            try:
-                import ml_dtypes
-            except ImportError:
-                return values
-            return values.astype(ml_dtypes.bfloat16)
+        if a.dtype == paddle.bfloat16:  # paddle's numpy() of bfloat16 is its raw uint16 bits
+            return bfloat16_numpy(a.detach().astype("float32").numpy())
         return a.numpy()
 
     @_dynamic

@@ -23,7 +23,7 @@ import optree
 import tensorflow as tf
 
 import abstractdiff._operators
-from abstractdiff._arrays import check_scalar
+from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._backend import OPERATOR_METHODS, AdapterBackend
 from abstractdiff._compose import ForeignKernel
 from abstractdiff._derived import DerivedOperators
@@ -44,10 +44,6 @@ _ZERO = tf.UnconnectedGradients.ZERO
 def _is_array(leaf: Any) -> bool:
     # what a tf.function returns as a tensor; a tf.Variable in aux is handed back as itself
     return isinstance(leaf, (tf.Tensor, np.ndarray, np.generic))
-
-
-def _signature(*groups: list) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for group in groups for t in group)
 
 
 def _traced_value_error(err: BaseException) -> TracedControlFlowError | None:
@@ -385,7 +381,7 @@ class TensorFlowAdapter(Adapter):
             return outputs, None
         # tf.function can only return tensors: aux's other leaves (ints, strings,
         # variables) were set aside at trace time, per input signature.
-        treedef, template, where = statics[_signature(*groups)]
+        treedef, template, where = statics[signature(*groups)]
         leaves = list(template)
         for i, a in zip(where, aux_arrays):
             leaves[i] = a
@@ -405,7 +401,7 @@ class TensorFlowAdapter(Adapter):
             leaves, treedef = optree.tree_flatten(aux)
             where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
             template = [None if i in where else leaf for i, leaf in enumerate(leaves)]
-            statics[_signature(*groups)] = (treedef, template, where)
+            statics[signature(*groups)] = (treedef, template, where)
             return outputs, [leaves[i] for i in where]
 
         # autograph off: it would silently rewrite some Python control flow on tensors and

@@ -50,7 +50,7 @@ import optree
 import torch
 import torch.func
 
-from abstractdiff._arrays import check_scalar
+from abstractdiff._arrays import bfloat16_numpy, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -345,13 +345,7 @@ class TorchAdapter(Adapter):
     def to_numpy(self, a: Any) -> np.ndarray:
         a = a.detach().cpu()
         if a.dtype == torch.bfloat16:
-            # numpy has no bfloat16 of its own: ml_dtypes' (shipped with jax and
-            # tensorflow) keeps the dtype; without it, widen to float32 exactly.
-            try:
-                import ml_dtypes
-            except ImportError:
-                return a.float().numpy()
-            return a.float().numpy().astype(ml_dtypes.bfloat16)
+            return bfloat16_numpy(a.float().numpy())
         return a.numpy()
 
     def cast(self, a: Any, dtype: str) -> torch.Tensor:
