@@ -32,6 +32,7 @@ import optree
 
 from ._arrays import dtype_name, shape_of
 from ._errors import (
+    AbstractDiffError,
     ArgumentTypeError,
     ModeMismatchError,
     NonDifferentiableInputError,
@@ -68,6 +69,60 @@ def check_assignment(label: str, old: Any, new: Any, shape_hint: str = "", dtype
             f"cannot assign a {dtype_name(new)} array to {label}, which holds {dtype_name(old)}; cast the new "
             f"value to {dtype_name(old)}{dtype_hint}"
         )
+
+
+class HeldVariable:
+    """A variable whose array is held by a container of its library (an MLX module's dicts
+    and lists), for libraries whose models hold immutable arrays: a subclass says how to
+    reach the array (:meth:`_get`, :meth:`_set`; ``name`` for messages), the core gives the
+    rest as :class:`Variable` does: ``value`` read and written (assignment keeps shape and
+    dtype), ``shape``, ``dtype``, ``__array__`` and ``repr``."""
+
+    __slots__ = ()
+    name: str
+
+    def _get(self) -> Any:
+        raise NotImplementedError
+
+    def _set(self, value: Any) -> Any:
+        """Store ``value``; return the array it replaces."""
+        raise NotImplementedError
+
+    def _coerce(self, new: Any, old: Any) -> Any:
+        """``new`` (numpy, a number) as an array of the library, in ``old``'s dtype where it converts."""
+        return new
+
+    @property
+    def value(self) -> Any:
+        return self._get()
+
+    @value.setter
+    def value(self, new: Any) -> None:
+        old = self._get()
+        new = self._coerce(new, old)
+        check_assignment(f"{type(self).__name__} {self.name!r}", old, new)
+        self._set(new)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return shape_of(self._get())
+
+    @property
+    def dtype(self) -> Any:
+        return self._get().dtype
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        from ._convert import to_numpy
+
+        return np.asarray(to_numpy(self._get()), dtype=dtype)
+
+    def __repr__(self) -> str:
+        try:
+            a = self._get()
+            what = f"shape={shape_of(a)}, dtype={dtype_name(a)}"
+        except AbstractDiffError as err:  # its container is gone
+            what = str(err)
+        return f"{type(self).__name__}({self.name!r}, {what})"
 
 
 class Variable:

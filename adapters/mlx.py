@@ -76,7 +76,7 @@ from abstractdiff._errors import (
     InvalidArgumentError,
     TracedControlFlowError,
 )
-from abstractdiff._implicit import check_assignment
+from abstractdiff._implicit import HeldVariable
 from abstractdiff._tree import HasArtefacts, artefacts, check_output, split_aux
 from abstractdiff.portable.mlx import _one
 from abstractdiff.protocol import Adapter
@@ -189,7 +189,7 @@ def _gpus() -> list[str]:
 
 # ---------------------------------------------------------------------------------------
 # Parameters of mlx.nn modules
-class MLXParameter:
+class MLXParameter(HeldVariable):
     """One array of an ``mlx.nn.Module``, as a variable: what ``ad.Params(model)`` holds.
 
     MLX has no variable objects; a module holds immutable arrays in nested dicts and
@@ -237,32 +237,8 @@ class MLXParameter:
         old, node[key] = node[key], value
         return old
 
-    @property
-    def value(self) -> Any:
-        return self._get()
-
-    @value.setter
-    def value(self, new: Any) -> None:
-        _write(self, new)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._get().shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self._get().dtype
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(_to_numpy(self._get()), dtype=dtype)
-
-    def __repr__(self) -> str:
-        try:
-            a = self._get()
-            what = f"shape={tuple(a.shape)}, dtype={str(a.dtype).rpartition('.')[2]}"
-        except (CollectedError, InvalidArgumentError) as err:
-            what = str(err)
-        return f"MLXParameter({self.name!r}, {what})"
+    def _coerce(self, new: Any, old: Any) -> Any:
+        return new if isinstance(new, mx.array) else _from_numpy(np.asarray(new), old.dtype)
 
 
 # innermost module (held weakly) -> {path: MLXParameter}; an entry dies with its module
@@ -331,14 +307,6 @@ def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
     if any(s < 0 for s in a.strides):
         a = a.copy(order="C")  # not ascontiguousarray: it returns a one-element x[::-1] with its stride
     return mx.array(a, dtype=dtype)
-
-
-def _write(var: MLXParameter, value: Any) -> None:
-    old = var._get()
-    if not isinstance(value, mx.array):
-        value = _from_numpy(np.asarray(value), old.dtype)
-    check_assignment(f"MLX parameter {var.name!r}", old, value)
-    var._set(value)
 
 
 # ---------------------------------------------------------------------------------------
