@@ -162,6 +162,43 @@ class Artefacts:
 #: recently used out first).
 MAX_PREPARATIONS = 32 * len(OPERATORS)
 
+
+class AuxStatics:
+    """The leaves of ``aux`` that a library's compiled function cannot return (ints, strings,
+    numpy constants: ``jit``, ``tf.function`` and ``mx.compile`` return arrays only), set aside
+    per input signature when the library traces ``f`` and put back after each call, so that
+    aux comes back unchanged.
+
+    ``AuxStatics(is_array, flatten=optree.tree_flatten, unflatten=optree.tree_unflatten)``:
+    ``is_array(leaf)`` says what the compiled function returns; a library with a pytree
+    registry of its own passes its flatten and unflatten (jax's ``tree_util``).
+    """
+
+    __slots__ = ("_is_array", "_flatten", "_unflatten", "_by_signature")
+
+    def __init__(self, is_array: Callable[[Any], bool], flatten: Callable[[Any], tuple] = optree.tree_flatten,
+                 unflatten: Callable[[Any, list], Any] = optree.tree_unflatten):
+        self._is_array, self._flatten, self._unflatten = is_array, flatten, unflatten
+        self._by_signature: dict[Hashable, tuple] = {}
+
+    def split(self, signature: Hashable, aux: Any) -> list:
+        """At trace time: ``aux``'s array leaves (what the compiled function returns); the
+        others are kept for :meth:`join` under ``signature``."""
+        leaves, treedef = self._flatten(aux)
+        arrays = [self._is_array(v) for v in leaves]
+        self._by_signature[signature] = (treedef, arrays, [None if a else v for v, a in zip(leaves, arrays)])
+        return [v for v, a in zip(leaves, arrays) if a]
+
+    def join(self, signature: Hashable, arrays: list) -> Any:
+        """After a call: aux rebuilt from the arrays the compiled function returned (``None``
+        when nothing was set aside: ``f`` returned no aux)."""
+        found = self._by_signature.get(signature)
+        if found is None:
+            return None
+        treedef, kinds, static = found
+        values = iter(arrays)
+        return self._unflatten(treedef, [next(values) if a else v for a, v in zip(kinds, static)])
+
 class HasArtefacts:
     """A function handed to an adapter's ``flat_*`` methods, with a typed cache of artefacts.
 

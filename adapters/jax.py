@@ -31,7 +31,7 @@ import numpy as np
 from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._compose import ForeignKernel, boundary_error
 from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
-from abstractdiff._tree import HasArtefacts, _static_key, artefacts
+from abstractdiff._tree import AuxStatics, HasArtefacts, _static_key, artefacts
 from abstractdiff.protocol import Adapter
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
@@ -229,27 +229,22 @@ class JaxAdapter(Adapter):
             if operator is not None:
                 check_scalar(y, operator)
             if aux is not None and statics is not None:
-                leaves, treedef = jax.tree_util.tree_flatten(aux)
-                dynamic = [isinstance(v, (jax.Array, jax.core.Tracer)) for v in leaves]
-                static = [None if d else v for v, d in zip(leaves, dynamic)]
-                statics[signature(xs, data)] = (treedef, dynamic, static)
-                aux = [v for v, d in zip(leaves, dynamic) if d]
+                aux = statics.split(signature(xs, data), aux)
             return jnp.asarray(y), aux
 
         return call
 
-    def _aux_statics(self, fn: Any, operator: str | None) -> dict | None:
-        # per input signature: the non-array aux leaves set aside at trace time
+    def _aux_statics(self, fn: Any, operator: str | None) -> AuxStatics | None:
         if not isinstance(fn, HasArtefacts):
             return None
-        return fn.artefacts(self.backend, f"aux of {operator}").get("statics", dict)
+        return fn.artefacts(self.backend, f"aux of {operator}").get("statics", lambda: AuxStatics(
+            lambda v: isinstance(v, (jax.Array, jax.core.Tracer)), jax.tree_util.tree_flatten,
+            jax.tree_util.tree_unflatten))
 
     def _aux(self, fn: Any, operator: str | None, xs: list, data: list, aux: Any) -> Any:
         if aux is None or not isinstance(fn, HasArtefacts):  # not split: see _compiled
             return aux
-        treedef, dynamic, static = self._aux_statics(fn, operator)[signature(xs, data)]  # type: ignore[index]
-        values = iter(aux)
-        return jax.tree_util.tree_unflatten(treedef, [next(values) if d else v for d, v in zip(dynamic, static)])
+        return self._aux_statics(fn, operator).join(signature(xs, data), aux)  # type: ignore[union-attr]
 
     def _compiled(self, fn: Any, operator: str, x64: bool, build: Callable[[], Callable]) -> Callable:
         if not isinstance(fn, HasArtefacts):  # a plain callable (not from the core): a jit would retrace every call

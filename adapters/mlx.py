@@ -55,6 +55,7 @@ fails there with :class:`~abstractdiff.TracedControlFlowError`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import weakref
@@ -77,7 +78,7 @@ from abstractdiff._errors import (
     TracedControlFlowError,
 )
 from abstractdiff._implicit import HeldVariable
-from abstractdiff._tree import HasArtefacts, artefacts, check_output, split_aux
+from abstractdiff._tree import AuxStatics, HasArtefacts, artefacts, check_output, split_aux
 from abstractdiff.portable.mlx import _one
 from abstractdiff.protocol import Adapter
 
@@ -310,6 +311,10 @@ def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
+def _is_mx(a: Any) -> bool:
+    return isinstance(a, mx.array)
+
+
 class _Traced:
     """``fn`` as MLX's transforms take it: arrays in, arrays out.
 
@@ -322,7 +327,8 @@ class _Traced:
 
     def __init__(self, adapter: MLXAdapter, fn: FlatFn, operator: str | None = None):
         self.adapter, self.fn, self.operator = adapter, fn, operator
-        self.statics: dict[tuple, tuple] = {}
+        # None is a leaf of aux here: f's None values come back as they were
+        self.statics = AuxStatics(_is_mx, functools.partial(optree.tree_flatten, none_is_leaf=True))
 
     def __call__(self, xs: list, data: list) -> tuple[Any, list]:
         self.adapter.trace_count += 1
@@ -330,12 +336,7 @@ class _Traced:
         y = self.adapter._output(y)
         if self.operator is not None:
             check_scalar(y, self.operator)
-        if aux is None:
-            return y, []
-        leaves, treedef = optree.tree_flatten(aux, none_is_leaf=True)
-        dynamic = [isinstance(v, mx.array) for v in leaves]
-        self.statics[signature(xs, data)] = (treedef, dynamic, [None if d else v for v, d in zip(leaves, dynamic)])
-        return y, [v for v, d in zip(leaves, dynamic) if d]
+        return y, [] if aux is None else self.statics.split(signature(xs, data), aux)
 
     def value(self, data: list) -> Callable[..., Any]:
         """``*xs -> y``, as ``mx.vjp``/``mx.jvp`` take it."""
@@ -344,12 +345,7 @@ class _Traced:
     def aux(self, xs: list, data: list, arrays: list) -> Any:
         if not getattr(self.fn, "has_aux", True):
             return None
-        found = self.statics.get(signature(xs, data))
-        if found is None:  # f returned no aux (None)
-            return None
-        treedef, dynamic, static = found
-        it = iter(arrays)
-        return optree.tree_unflatten(treedef, [next(it) if d else v for d, v in zip(dynamic, static)])
+        return self.statics.join(signature(xs, data), arrays)
 
 
 class _Variables:

@@ -35,7 +35,7 @@ from abstractdiff._errors import (
     TracedControlFlowError,
 )
 from abstractdiff._hooks import AdapterHooks
-from abstractdiff._tree import Artefacts, HasArtefacts, check_output, split_aux
+from abstractdiff._tree import Artefacts, AuxStatics, HasArtefacts, check_output, split_aux
 from abstractdiff.protocol import Adapter
 
 _ZERO = tf.UnconnectedGradients.ZERO
@@ -381,14 +381,10 @@ class TensorFlowAdapter(Adapter):
             return outputs, None
         # tf.function can only return tensors: aux's other leaves (ints, strings,
         # variables) were set aside at trace time, per input signature.
-        treedef, template, where = statics[signature(*groups)]
-        leaves = list(template)
-        for i, a in zip(where, aux_arrays):
-            leaves[i] = a
-        return outputs, optree.tree_unflatten(treedef, leaves)
+        return outputs, statics.join(signature(*groups), aux_arrays)
 
     def _compiled(self, fn: Any, body: Callable, sizes: tuple[int, ...]) -> tuple:
-        statics: dict = {}
+        statics = AuxStatics(_is_array)
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
 
         def traced(*flat: Any) -> tuple:
@@ -398,11 +394,7 @@ class TensorFlowAdapter(Adapter):
             # it around every call of the compiled function would cost ~10 us per call.
             with tf.device(self.tf_device):
                 outputs, aux = body(fn, *groups)
-            leaves, treedef = optree.tree_flatten(aux)
-            where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-            template = [None if i in where else leaf for i, leaf in enumerate(leaves)]
-            statics[signature(*groups)] = (treedef, template, where)
-            return outputs, [leaves[i] for i in where]
+            return outputs, statics.split(signature(*groups), aux)
 
         # autograph off: it would silently rewrite some Python control flow on tensors and
         # not other, where jax and torch.compile reject it; one rule for every backend.
