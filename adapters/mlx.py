@@ -90,25 +90,13 @@ _EVAL_IN_TRANSFORM = "during function transformations"
 # What mx.async_eval says inside any transform (grad, vjp, jvp, vmap, compile).
 _IN_TRANSFORM = "inside a graph transformation"
 
-# numpy dtype name -> MLX dtype (mx.array(a) alone would make float64 float32): MLX names its
-# dtypes as numpy does (str(mx.bool_) is "mlx.core.bool"); an older MLX lacks float64
-_FROM_NUMPY = {
-    str(d).rpartition(".")[2]: d
-    for d in (getattr(mx, name, None) for name in (
-        "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-        "float64", "bfloat16", "complex64",
-    ))
-    if d is not None
-}
-
-
 def _mx_dtype(name: str) -> Any:
-    try:
-        return _FROM_NUMPY[name]
-    except KeyError:
-        raise ArgumentTypeError(
-            f"mlx backend: MLX has no dtype {name!r}; its dtypes are {', '.join(sorted(_FROM_NUMPY))}"
-        ) from None
+    """The MLX dtype of a numpy dtype name (mx.array(a) alone would make float64 float32): MLX
+    names its dtypes as numpy does, but for bool_ (an older MLX lacks float64)."""
+    dtype = getattr(mx, "bool_" if name == "bool" else name, None)
+    if not isinstance(dtype, mx.Dtype):
+        raise ArgumentTypeError(f"mlx backend: MLX has no dtype {name!r} (see mlx.core.Dtype)")
+    return dtype
 
 
 def _evaluated(*trees: Any) -> None:
