@@ -507,13 +507,14 @@ class Prepared:
         types = [type(a) for a in (x, *args)]
         raw = self.signature.x_raw + self.signature.data_raw
         n, with_value, check_and_run = len(args), self.operator == ValueAndGradientPrep.operator, self.check_and_run
-        zeros_like = backend.zeros_like
+        zeros_like, leaf_types = backend.zeros_like, _LEAF_ARRAY_TYPES
 
         def lean(x: Any, *args: Any) -> Any:
             leaves = (x, *args)
             try:
+                # a type still a leaf: one registered as a pytree node since flattens now
                 same = len(args) == n and all(
-                    type(a) is t and (s is None or a.shape == s) and a.dtype == d
+                    type(a) is t and t in leaf_types and (s is None or a.shape == s) and a.dtype == d
                     for a, t, (s, d) in zip(leaves, types, raw)
                 )
             except Exception:  # dtypes of two libraries that do not compare

@@ -186,6 +186,7 @@ def test_backend_matrix_reads_the_adapters_right() -> None:
     import inspect
 
     from abstractdiff import _registry
+    from abstractdiff.protocol import PER_CALL_ROUTES
 
     records = {r["name"]: r for r in _hooks().adapters()}
     assert set(records) == set(_registry._BUILTIN)
@@ -198,6 +199,7 @@ def test_backend_matrix_reads_the_adapters_right() -> None:
         routes = getattr(cls, "fast_routes", None)
         if "Adapter" in [base.__name__ for base in cls.__bases__]:  # of the protocol: its routes and primitives
             flat |= {f"flat_{op}" for op in routes}
+            flat |= {f"flat_{PER_CALL_ROUTES[op]}" for op in routes if op in PER_CALL_ROUTES}  # written once
             flat |= {f"flat_{m}" for m in ("value_and_pullback", "value_and_pushforward") if m in vars(cls)}
         assert flat == {m for m in records[name]["methods"] if m.startswith("flat_")}, name
         params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
