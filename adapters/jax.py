@@ -97,8 +97,7 @@ class JaxAdapter(Adapter):
     extra = "jax"
     modules = ("jax", "jaxlib")
     fast_routes = {
-        "value_and_gradient": "value_and_gradient",
-        "prepare_value_and_gradient": "prepare_value_and_gradient",
+        "prepare_value_and_gradient": "prepare_value_and_gradient",  # the per-call form too (PER_CALL_ROUTES)
         "prepare_jacobian": "prepare_jacobian",
         "prepare_hvp": "prepare_hvp",
         "jacobian": "jacobian",
@@ -375,9 +374,6 @@ class JaxAdapter(Adapter):
         return function
 
     # ---------------------------------------------- fast derived operators
-    def value_and_gradient(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, list]:
-        return self.prepare_value_and_gradient(fn, xs, data)(xs, data)
-
     def prepare_value_and_gradient(self, fn: Callable, xs: list, data: list) -> Callable:
         x64 = _wants_x64(xs, data)
         compiled = self._compiled(

@@ -239,8 +239,8 @@ class PyTensorAdapter(Adapter):
     reuses_traces = True
     # One symbolic graph of the whole Jacobian (Hessian); with chunk_size set the core skips
     # those two routes and builds them from chunks of batched pullbacks or pushforwards
-    fast_routes = {"value_and_gradient": "value_and_gradient", "jacobian": "jacobian", "hessian": "hessian",
-                   "hvp": "hvp", "prepare_value_and_gradient": "prepare_value_and_gradient"}
+    fast_routes = {"prepare_value_and_gradient": "prepare_value_and_gradient", "jacobian": "jacobian",
+                   "hessian": "hessian", "hvp": "hvp"}
 
     def __init__(self, *, device: str = "cpu", mode: str | None = None):
         if mode is not None and not isinstance(mode, str):
@@ -449,9 +449,6 @@ class PyTensorAdapter(Adapter):
         return y, aux, jvp
 
     # ------------------------------------------------------------ fast routes
-    def value_and_gradient(self, fn: Any, xs: list, data: list) -> tuple[Any, Any, list]:
-        return self.prepare_value_and_gradient(fn, xs, data)(xs, data)
-
     def prepare_value_and_gradient(self, fn: Any, xs: list, data: list) -> Callable:
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
             outputs, aux = self._run(fn, "value_and_gradient", self._gradient_body, xs, data)
