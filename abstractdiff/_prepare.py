@@ -23,7 +23,9 @@ values reached through attributes or inside mutable containers; pass those as ar
 
 from __future__ import annotations
 
+import functools
 import threading
+from operator import attrgetter
 from typing import Any, Callable, ClassVar
 
 import optree
@@ -469,9 +471,9 @@ class Prepared:
         runs ``replan(x, *args)``, the unprepared operator's own route, which plans any
         form instead of refusing it.  It does not keep ``f`` alive (the caller holds it)."""
         self = cls.__new__(cls)
-        self._setup(backend, preparation, x, args, xs, data, has_aux, replan)
         self.f = None
         self._watch = None  # the unprepared operator checks f's capture guard itself
+        self._setup(backend, preparation, x, args, xs, data, has_aux, replan)
         return self
 
     def _setup(
@@ -487,11 +489,20 @@ class Prepared:
             any_shape=replan is not None, native=(xs, data),
         )
         self._replan = replan
+        #: ``None`` where nothing is watched, else ``unchanged() -> bool``: whether ``f`` still
+        #: reads the values from its globals and closures that its trace holds (a backend that
+        #: reuses traces); when not, the call runs :meth:`refresh` instead
+        self.unchanged: Callable[[], bool] | None = (
+            None if self._watch is None else functools.partial(self._watch.unchanged, self.f)
+        )
         # the library's own dispatcher doing the checks, where the adapter offers one
         self._direct = backend.direct_prepared(self, xs, data)
-        #: the whole call: the adapter's direct one, else the core's lean gradient call, else
-        #: the check in Python and the run
-        self.call: Callable[..., Any] = self._direct or self._lean_gradient_call(x, args) or self.check_and_run
+        inner = self._direct or self._lean_gradient_call(x, args) or self.check_and_run
+        #: the whole call, which calling the prepared operator runs: the adapter's direct one,
+        #: else the core's lean gradient call, else the check in Python and the run; after the
+        #: watch's test where there is one (a direct call marked ``tests_watch`` makes it itself)
+        self.call: Callable[..., Any] = inner if self.unchanged is None or getattr(inner, "tests_watch", False) \
+            else self._watched(inner, self.unchanged)
 
     def _lean_gradient_call(self, x: Any, args: tuple) -> Callable[..., Any] | None:
         """A gradient of ``f(x, *arrays)`` (no aux) prepared with the backend's own arrays:
@@ -530,12 +541,23 @@ class Prepared:
 
         return lean
 
-    def __call__(self, x: Any, *args: Any) -> Any:
-        # the hot path of every prepared call: the watch's test inline, _fresh only on a change
-        watch = self._watch
-        if watch is not None and not watch.unchanged(self.f):
-            self._fresh(x, args)
-        return self.call(x, *args)
+    #: ``prepared(x, *args)`` (``prepared(x, v, *args)`` for hvp) runs :attr:`call` with no
+    #: Python frame of its own: the hot path of small functions and training loops.
+    __call__ = property(attrgetter("call"))
+
+    def _watched(self, inner: Callable[..., Any], unchanged: Callable[[], bool]) -> Callable[..., Any]:
+        refresh = self.refresh
+
+        def watched(x: Any, *rest: Any) -> Any:
+            return inner(x, *rest) if unchanged() else refresh(x, *rest)
+
+        return watched
+
+    def refresh(self, x: Any, *rest: Any) -> Any:
+        """The call where :attr:`unchanged` reported a change: prepared again for the values
+        ``f`` reads now (the inputs must keep the prepared form), then called."""
+        self._fresh(x, rest[1:] if self.operator in TANGENT_OPERATORS else rest)
+        return self.call(x, *rest)
 
     def check_and_run(self, x: Any, *args: Any) -> Any:
         """The call in Python: ``(x, args)`` checked against the signature, then the preparation run."""
@@ -647,12 +669,6 @@ class PreparedHvp(Prepared):
 
     def __init__(self, b: Any, f: Callable[..., Any], x: Any, v: Any, args: tuple):
         super().__init__(b, f, x, args)
-
-    def __call__(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
-        watch = self._watch
-        if watch is not None and not watch.unchanged(self.f):
-            self._fresh(x, args)
-        return self.call(x, v, *args)
 
     def check_and_run(self, x: Any, v: Any, *args: Any) -> Any:  # type: ignore[override]
         xs, data = self.signature.check(x, args)

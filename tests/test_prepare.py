@@ -345,3 +345,33 @@ def test_the_lean_gradient_call_is_not_taken_for_aux_or_pytrees():
     g, aux = with_aux(x)
     np.testing.assert_allclose(g, 2 * x)
     assert aux == 1
+
+
+_SCALE = 2.0
+
+
+def _scaled_cubes(x):
+    return _SCALE * (x**3).sum()
+
+
+@pytest.mark.parametrize("operator", ["gradient", "hvp"])
+def test_a_prepared_call_refreshes_where_f_reads_a_changed_global(operator):
+    """On a backend that reuses traces, the prepared call tests its capture watch first (the
+    core's wrapper, or jax's direct call itself) and prepares again for the new value; hvp's
+    refresh passes its tangent on."""
+    global _SCALE
+    b = ad.backend("jax")
+    x, v = np.array([1.0, 2.0], np.float32), np.array([1.0, 0.0], np.float32)
+    x, v = b.asarray(x), b.asarray(v)
+    call = ad.prepare_gradient(b, _scaled_cubes, x) if operator == "gradient" else \
+        ad.prepare_hvp(b, _scaled_cubes, x, v)
+    run = (lambda: call(x)) if operator == "gradient" else (lambda: call(x, v))
+    want = (lambda s: s * 3 * np.array([1.0, 4.0])) if operator == "gradient" else (lambda s: s * np.array([6.0, 0.0]))
+    old = _SCALE
+    try:
+        np.testing.assert_allclose(ad.to_numpy(run()), want(2.0), rtol=1e-6)
+        _SCALE = 5.0
+        np.testing.assert_allclose(ad.to_numpy(run()), want(5.0), rtol=1e-6)
+        assert call.unchanged is not None and call.unchanged()
+    finally:
+        _SCALE = old
