@@ -281,7 +281,11 @@ class DerivedOperators(AdapterHooks):
         for every call whose signature changed: then the check raises
         :class:`~abstractdiff.ShapeMismatchError` as the core's would (the prepared operator
         an unprepared operator keeps for itself plans the new inputs instead); inputs it
-        does not hand to its library go to ``prepared.check_and_run``.
+        does not hand to its library go to ``prepared.check_and_run``.  Where traces are
+        reused, the core tests ``prepared.unchanged()`` (whether ``f`` still reads what its
+        trace holds) before each call, in a wrapper; a direct call may make that test itself,
+        running ``prepared.refresh(x, *rest)`` when it fails, and say so with
+        ``direct.tests_watch = True``, which saves the wrapper's frame (jax's does).
         """
         return None
 

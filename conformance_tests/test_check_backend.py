@@ -256,7 +256,10 @@ class CachesByFunctionAlone(FiniteDifferencesBackend):
 
     def flat_value_and_gradient(self, fn, xs, data):
         y, aux, grads = super().flat_value_and_gradient(fn, xs, data)
-        first = self.__dict__.setdefault("_routes", {}).setdefault(id(getattr(fn, "f", fn)), grads[0].dtype)
+        f = getattr(fn, "f", None)
+        if f is None:  # the core's own wrapper (a Hessian's gradient function), made per call: its
+            return y, aux, grads  # id is soon another's, which would make the bug strike at random
+        first = self.__dict__.setdefault("_routes", {}).setdefault(id(f), grads[0].dtype)
         return y, aux, [g.astype(first) for g in grads]
 
 
