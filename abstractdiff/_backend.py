@@ -34,7 +34,7 @@ from ._errors import (
     NonDifferentiableInputError,
     ShapeMismatchError,
 )
-from ._hooks import parse_device
+from ._hooks import HOOKS, parse_device
 from ._operator_table import OPERATORS
 from ._prepare import PREPARED, TANGENT_OPERATORS, Preparation, Prepared
 from ._registry import hold_adapters_in
@@ -374,18 +374,11 @@ OPERATOR_METHODS = (*OPERATORS, "_unprepared", "asarray", "convert")
 
 # ---------------------------------------------------------------------------------------
 # The backend holding an adapter (abstractdiff.protocol.Adapter)
-#: The array, device and pytree hooks the holder takes from its adapter as they are.
-_ADAPTER_HOOKS = (
-    "is_native", "from_numpy", "to_numpy", "cast", "zeros_like", "ones_like", "asarray_like", "snapshot", "scope",
-    "from_dlpack", "numpy_view", "devices", "is_pytree_node",
-)
+#: The array, device and pytree hooks the holder takes from its adapter as they are (the
+#: devices group's normalise_device is the core's parser, not the adapter's).
+_ADAPTER_HOOKS = (*HOOKS["arrays"], "devices", *HOOKS["pytrees"])
 #: Variable hooks: the adapter's ``variables`` object's, where it has one.
-_VARIABLE_HOOKS = (
-    "is_variable", "check_variable", "model_variables", "model_state", "read", "write", "current_value",
-    "new_variable", "swap", "aliases", "implicit_value_and_gradient", "implicit_value_and_pullback",
-)
-
-
+_VARIABLE_HOOKS = HOOKS["variables"]
 
 
 def _run_prepared(prepare: Callable[..., Any]) -> Callable[..., Any]:
@@ -473,13 +466,8 @@ class AdapterBackend(Backend):
     def __hash__(self) -> int:
         return hash(self.cache_key)
 
-    @property
-    def cache_key(self) -> tuple:
-        key = self.__dict__.get("_cache_key")
-        if key is None:
-            key = (type(self.adapter), tuple(sorted((k, type(v).__name__, repr(v)) for k, v in self.options.items())))
-            self.__dict__["_cache_key"] = key
-        return key
+    def _cache_class(self) -> type:
+        return type(self.adapter)  # one backend class for every library: the adapter says which
 
     @property
     def has_reverse(self) -> bool:

@@ -191,12 +191,16 @@ class AdapterHooks:
     def __hash__(self) -> int:
         return hash(self.cache_key)
 
+    def _cache_class(self) -> type:
+        """The class in :attr:`cache_key`: the backend's own (a holder's: its adapter's)."""
+        return type(self)
+
     @property
     def cache_key(self) -> tuple:
         """``(class, options)``: what a compiled artefact of this backend depends on."""
         key = self.__dict__.get("_cache_key")
         if key is None:
-            key = (type(self), tuple(sorted((k, type(v).__name__, repr(v)) for k, v in self.options.items())))
+            key = (self._cache_class(), tuple(sorted((k, type(v).__name__, repr(v)) for k, v in self.options.items())))
             self.__dict__["_cache_key"] = key
         return key
 

@@ -639,4 +639,4 @@ class FiniteDifferencesBackend(AdapterBackend):
     __repr__ = AdapterHooks.__repr__
     __eq__ = AdapterHooks.__eq__
     __hash__ = AdapterBackend.__hash__
-    cache_key = AdapterHooks.cache_key
+    _cache_class = AdapterHooks._cache_class
