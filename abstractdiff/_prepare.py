@@ -449,16 +449,6 @@ class Prepared:
         self._setup(backend, backend.preparation(PREPARATIONS[self.operator], fn, xs, data), x, args, xs, data,
                     has_aux, None)
 
-    def _fresh(self, x: Any, args: tuple) -> None:
-        """Prepare again where ``f`` reads other values from its globals and closures than the
-        trace it was prepared with holds (see the module docstring): the inputs must still
-        have the prepared form, and the new preparation is that of the same form."""
-        if self._watch is not None and not self._watch.unchanged(self.f):
-            self.signature.check(x, args)  # another form is refused as before, whatever f reads
-            with _REFRESH_LOCK:  # threads calling one prepared operator see one preparation at a time
-                if not self._watch.unchanged(self.f):
-                    self._prepare_for(self.backend, x, args, self.has_aux)
-
     @classmethod
     def for_unprepared(
         cls, backend: Any, preparation: Preparation, x: Any, args: tuple, xs: list, data: list, has_aux: bool,
@@ -555,8 +545,13 @@ class Prepared:
 
     def refresh(self, x: Any, *rest: Any) -> Any:
         """The call where :attr:`unchanged` reported a change: prepared again for the values
-        ``f`` reads now (the inputs must keep the prepared form), then called."""
-        self._fresh(x, rest[1:] if self.operator in TANGENT_OPERATORS else rest)
+        ``f`` reads now from its globals and closures (see the module docstring), then called.
+        The inputs must still have the prepared form; the new preparation is of that form."""
+        args = rest[1:] if self.operator in TANGENT_OPERATORS else rest
+        self.signature.check(x, args)  # another form is refused as before, whatever f reads
+        with _REFRESH_LOCK:  # threads calling one prepared operator see one preparation at a time
+            if not self._watch.unchanged(self.f):  # else another thread prepared again meanwhile
+                self._prepare_for(self.backend, x, args, self.has_aux)
         return self.call(x, *rest)
 
     def check_and_run(self, x: Any, *args: Any) -> Any:
