@@ -2,8 +2,9 @@
 
 Every cache of abstractdiff (plans per user function, preparations and compiled artefacts
 per flat function, the training loop's bound loss functions, the implicit adapter's
-wrapper families, the composed kernels) is bounded and evicts the least recently used
-entry first; lookups take no lock (one dict read is atomic), and a missing entry is built
+wrapper families, the composed kernels) evicts the least recently used entry first when it
+is bounded (a cache keyed on user objects may instead be bounded by their lives alone, as
+the plan cache's table of functions is); lookups take no lock (one dict read is atomic), and a missing entry is built
 once even when several threads ask for it.  :class:`LRU` is that map.  Caches keyed on user
 objects use :class:`WeakLRU`, the same map keyed by the objects' identity and holding them
 weakly: an entry leaves as soon as one of its objects is garbage collected, so a recycled

@@ -199,6 +199,7 @@ class AuxStatics:
         values = iter(arrays)
         return self._unflatten(treedef, [next(values) if a else v for a, v in zip(kinds, static)])
 
+
 class HasArtefacts:
     """A function handed to an adapter's ``flat_*`` methods, with a typed cache of artefacts.
 
