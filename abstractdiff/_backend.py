@@ -422,8 +422,9 @@ class AdapterBackend(Backend):
         for primitive in PRIMITIVES:
             if _overrides(adapter, primitive):
                 setattr(self, f"flat_{primitive}", getattr(adapter, primitive))
-        if _overrides(adapter, "custom_function"):
-            self.custom_function = adapter.custom_function  # type: ignore[method-assign]
+        for hook in ("custom_function", "custom_rule"):
+            if _overrides(adapter, hook):
+                setattr(self, hook, getattr(adapter, hook))
         if _overrides(adapter, "direct_prepared"):
             self.direct_prepared = adapter.direct_prepared  # type: ignore[method-assign]
         # the adapter's options as it keeps them (its defaults included): two backends of one
@@ -480,6 +481,10 @@ class AdapterBackend(Backend):
     @property
     def has_custom_function(self) -> bool:
         return _overrides(self.adapter, "custom_function")
+
+    @property
+    def has_custom_rule(self) -> bool:
+        return _overrides(self.adapter, "custom_rule")
 
     @property
     def has_implicit_route(self) -> bool:

@@ -17,6 +17,7 @@ __all__ = [
     "CollectedError",
     "BackendUnavailableError",
     "CompositionError",
+    "CustomRuleError",
     "CheckpointError",
     "DeviceError",
     "DistributedError",
@@ -125,6 +126,15 @@ class CompositionError(AbstractDiffError, NotImplementedError):
     """A composition of libraries abstractdiff cannot differentiate: a derivative
     :func:`abstractdiff.differentiate_with`'s boundary does not carry (a third one, a second
     one from jax or tensorflow code), or a pair with no route."""
+
+
+class CustomRuleError(AbstractDiffError, ValueError):
+    """A custom derivative cannot be used as written: a rule of ``ad.custom_vjp`` or
+    ``ad.custom_jvp`` returned the wrong number, structure, shape or dtype of cotangents or
+    tangents; a mode the rule does not give was asked for (forward mode through a
+    ``custom_vjp``, reverse mode through a ``custom_jvp`` where the library cannot transpose
+    it); ``ad.stop_gradient`` under finite differences; or ``ad.custom_root``'s linear system
+    is singular at the solution."""
 
 
 class NonFiniteInputError(AbstractDiffError, ValueError):

@@ -99,7 +99,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "implicit_value_and_gradient",
         "implicit_value_and_pullback",
     ),
-    "composition": ("custom_function", "foreign_function"),
+    "composition": ("custom_function", "foreign_function", "custom_rule"),
 }
 
 
@@ -329,6 +329,12 @@ class AdapterHooks:
     @property
     def has_custom_function(self) -> bool:
         return type(self).custom_function is not AdapterHooks.custom_function
+
+    custom_rule = Adapter.custom_rule  # the hook of ad.custom_vjp and ad.stop_gradient, documented there
+
+    @property
+    def has_custom_rule(self) -> bool:
+        return type(self).custom_rule is not AdapterHooks.custom_rule
 
     def foreign_function(self, kernel: Any) -> Callable[[Any], Any]:
         """The older composition hook, for adapters without :meth:`custom_function`.

@@ -229,6 +229,33 @@ class Adapter:
         """
         raise NotImplementedError
 
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        """The hook of ``ad.custom_vjp`` and ``ad.custom_jvp``: ``h(*inputs) -> outputs``, a
+        function of this library's arrays (traced ones included) whose derivatives are
+        ``rule``'s (an :class:`abstractdiff._custom.Rule`), through the library's own
+        mechanism.  The core has flattened the user's pytrees: ``inputs`` and the outputs
+        are tuples of float arrays, and the rule checks what the user's rules return.
+
+        * ``rule.value(*inputs) -> outputs`` and ``rule.forward(*inputs) -> (outputs,
+          residuals)`` give the value (``residuals`` is opaque: keep it for the backward);
+        * ``rule.backward(residuals, cotangents) -> input cotangents`` (``rule.has_vjp``) and
+          ``rule.jvp(primals, tangents) -> (outputs, output tangents)`` (``rule.has_jvp``)
+          take complete tuples: pass zeros for a missing cotangent or tangent, never None.
+
+        The reverse mode must be ``rule.backward`` and the forward mode ``rule.jvp`` (or the
+        library's forward mode built from the backward, where it builds it so); a mode the
+        rule lacks raises ``rule.no_vjp_error()`` or ``rule.no_jvp_error()`` when asked for,
+        never the derivative of ``rule.value``.  A second derivative must differentiate the
+        backward with its residuals' dependence on the inputs recorded (recompute
+        ``rule.forward`` with recording on, where the library's forward does not record),
+        or raise ``rule.second_order_error(library)``: never a silently zero one.
+
+        ``rule.stops_gradient`` marks ``ad.stop_gradient``'s rule (the identity, with zero
+        derivatives): an adapter may return the library's own operation for it instead
+        (``lax.stop_gradient``, ``detach``), applied to each input.
+        """
+        raise NotImplementedError
+
     # ----------------------------------------------------------------- compile
     def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
         """Optional compile step: a prepared operator's whole call compiled by the library, or None."""

@@ -21,7 +21,7 @@ import numpy as np
 import optree
 from autograd.core import make_jvp, make_vjp
 from autograd.numpy.numpy_boxes import ArrayBox
-from autograd.tracer import Box
+from autograd.tracer import Box, getval
 
 from abstractdiff._arrays import check_scalar, shape_of, size_of
 from abstractdiff._errors import ArgumentTypeError
@@ -93,6 +93,11 @@ def _run(transform: Callable[[], Any]) -> Any:
         raise
 
 
+def _items(seq: Any) -> tuple:
+    """A tuple, or autograd's box of one, as a tuple of its (boxed) items."""
+    return tuple(seq[i] for i in range(len(seq)))
+
+
 def _packed(xs: list) -> Any:
     return xs[0] if len(xs) == 1 else list(xs)
 
@@ -116,6 +121,72 @@ def _primal(y: Any, xs: list, data: list) -> Any:
         if dtype.itemsize < y.dtype.itemsize:  # widened by a Python or numpy scalar only
             y = y.astype(dtype)
     return y
+
+
+class _CustomRule:
+    """``rule``'s function of this library's arrays: one autograd primitive, ``_rule_op``,
+    returning the tuple of outputs.
+
+    autograd calls a primitive's vjp (or jvp) maker while tracing, once per trace, with the
+    inputs unboxed for that trace only: at the oldest trace they are plain and the residuals
+    of the primitive's own forward are reused; at a newer one they are still boxed by the
+    older traces, so ``rule.forward`` reruns on the boxes and the residuals, hence the
+    backward, stay differentiable (second order).
+    """
+
+    def __init__(self, rule: Any):
+        self.rule = rule
+        self.last: Any = None  # (outputs, residuals) of the latest forward; `ans is outputs` ties them
+
+    def __call__(self, *inputs: Any) -> tuple:
+        if not any(isinstance(a, Box) for a in inputs):
+            return tuple(self.rule.value(*inputs))  # nothing traces: no residuals, no primitive
+        return _items(_rule_op(*inputs, rule=self))
+
+    def forward(self, inputs: tuple) -> tuple:
+        if not self.rule.has_vjp:
+            return tuple(self.rule.value(*inputs))
+        outs, res = self.rule.forward(*inputs)
+        self.last = (outs := tuple(outs), res)
+        return outs
+
+    def residuals(self, ans: Any, args: tuple) -> Any:
+        saved, self.last = self.last, None  # a swap: another thread's forward only costs a rerun
+        return saved[1] if saved is not None and saved[0] is ans else self.rule.forward(*args)[1]
+
+    def vjp(self, argnums: tuple, ans: Any, args: tuple) -> Callable:
+        rule = self.rule
+        if not rule.has_vjp:
+            return self.refuse  # raised when a backward runs, not while tracing
+        res = self.residuals(ans, args)
+        return lambda cts: [rule.backward(res, _items(cts))[i] for i in argnums]
+
+    def refuse(self, cts: Any) -> Any:
+        raise self.rule.no_vjp_error()
+
+    def jvp(self, argnums: tuple, gs: list, ans: Any, args: tuple) -> tuple:
+        ts = [autograd.extend.vspace(a).zeros() for a in args]  # inputs with no tangent
+        for i, g in zip(argnums, gs):
+            ts[i] = g
+        if self.rule.has_jvp:
+            self.last = None
+            return tuple(self.rule.jvp(tuple(args), tuple(ts))[1])
+        # a custom_vjp rule: the backward is linear in its cotangents, so the output tangent
+        # is the gradient of <backward(cts), t> in cts (the vjp of the vjp, as jax transposes)
+        res = self.residuals(ans, args)
+        dot = lambda cts: sum(anp.sum(c * t) for c, t in zip(self.rule.backward(res, _items(cts)), ts))  # noqa: E731
+        return tuple(autograd.grad(dot)(autograd.extend.vspace(ans).zeros()))
+
+
+# One primitive for every rule, which it gets as an argument: autograd's tables of rules are
+# global, so a primitive per rule would keep every rule alive.
+@autograd.extend.primitive
+def _rule_op(*inputs: Any, rule: _CustomRule) -> tuple:
+    return rule.forward(inputs)
+
+
+autograd.extend.defvjp_argnums(_rule_op, lambda argnums, ans, args, kw: kw["rule"].vjp(argnums, ans, args))
+autograd.extend.defjvp_argnums(_rule_op, lambda argnums, gs, ans, args, kw: kw["rule"].jvp(argnums, gs, ans, args))
 
 
 class AutogradAdapter(Adapter):
@@ -163,6 +234,11 @@ class AutogradAdapter(Adapter):
         autograd.extend.defvjp(op, *[(lambda ans, *xs, r=r: lambda g: r(g, *xs)) for r in vjps])
         autograd.extend.defjvp(op, *[(lambda g, ans, *xs, r=r: r(g, *xs)) for r in jvps])
         return op
+
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        if rule.stops_gradient:  # ad.stop_gradient: unboxed from every trace, a constant to all of them
+            return lambda *inputs: tuple(map(getval, inputs))
+        return _CustomRule(rule)
 
     # ------------------------------------------------------------- primitives
     def _trace_reverse(self, fn: FlatFn, xs: list, data: list, scalar: str | None = None):

@@ -30,6 +30,7 @@ import numpy as np
 
 from abstractdiff._arrays import check_scalar
 from abstractdiff._backend import AdapterBackend
+from abstractdiff._custom import numerical_evaluation
 from abstractdiff._derived import GradientFunction
 from abstractdiff._errors import FiniteDifferenceAccuracyError, InvalidArgumentError, NonFiniteInputError
 from abstractdiff._hooks import AdapterHooks
@@ -364,7 +365,8 @@ def _fresh_inputs(fn: Callable) -> Callable:
 
     def call(xs: list, data: list) -> tuple:
         copy = lambda a: a.copy() if isinstance(a, np.ndarray) else a  # noqa: E731
-        return fn([copy(x) for x in xs], [copy(d) for d in data])
+        with numerical_evaluation("finite_differences"):  # where ad.stop_gradient cannot be honoured
+            return fn([copy(x) for x in xs], [copy(d) for d in data])
 
     return call
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._compose import ForeignKernel, boundary_error
-from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
+from abstractdiff._errors import ArgumentTypeError, CompositionError, CustomRuleError, TracedControlFlowError
 from abstractdiff._tree import AuxStatics, HasArtefacts, _static_key, artefacts
 from abstractdiff.protocol import Adapter
 
@@ -79,6 +79,55 @@ def _platform_devices(platform: str) -> list[Any]:
 def _padded(v: Any, size: int) -> Any:
     """``v`` padded with zeros to ``size`` (the square system of a custom_linear_solve)."""
     return v if v.shape[0] == size else jnp.pad(v, (0, size - v.shape[0]))
+
+
+def _or_reverse(forward: Callable, reverse: Callable) -> Callable:
+    """``forward``, or ``reverse`` where jax has no forward mode through the function (an
+    ``ad.custom_vjp`` in it): its Jacobians and Hessians are then the rule's, by reverse mode."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return forward(*args)
+        except TypeError as err:
+            if "custom_vjp" not in str(err):
+                raise
+            return reverse(*args)
+
+    return call
+
+
+def _jacfwd(f: Callable, **options: Any) -> Callable:
+    return _or_reverse(jax.jacfwd(f, **options), jax.jacrev(f, **options))
+
+
+def _forward_mode(run: Callable) -> Callable:
+    """``run`` with jax's refusal of forward mode through a custom_vjp as the core's error."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return run(*args)
+        except TypeError as err:
+            if "custom_vjp" not in str(err):
+                raise
+            raise CustomRuleError(
+                f"forward mode (a pushforward, derivative or forward-over-forward) through an ad.custom_vjp "
+                f"function, which has no forward-mode rule: give it one with ad.custom_jvp, or use reverse mode "
+                f"(jax: {err})"
+            ) from None
+
+    return call
+
+
+def _hvp(grad: Callable, xs: list, data: list, ts: list) -> tuple:
+    """``(gradient, Hessian times ts)``: forward over reverse, or reverse over reverse (the
+    Hessian is symmetric) through an ``ad.custom_vjp``."""
+    forward = lambda: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))  # noqa: E731
+
+    def reverse() -> tuple:
+        g, pullback = jax.vjp(lambda xs: grad(xs, data), xs)
+        return g, pullback(ts)[0]
+
+    return _or_reverse(forward, reverse)()
 
 
 def _second_order_error(kernel: Any) -> CompositionError:
@@ -275,8 +324,9 @@ class JaxAdapter(Adapter):
 
             return forward
 
+        compiled = self._compiled(fn, name, x64, build)
         with self._scope(x64):
-            y, residuals, aux = self._compiled(fn, name, x64, build)(xs, data)
+            y, residuals, aux = (_forward_mode(compiled) if transform is jax.linearize else compiled)(xs, data)
         return y, self._aux(fn, None, xs, data, aux), residuals, trees[signature(xs, data)]
 
     def _applied(self, fn: Callable, name: str, x64: bool, residuals: list, treedef: Any, apply: Callable) -> Callable:
@@ -304,7 +354,7 @@ class JaxAdapter(Adapter):
         x64 = _wants_x64(xs, data)
         y, aux, residuals, treedef = self._linearised(fn, jax.linearize, xs, data, x64)
         apply = self._applied(fn, "pushforward_apply", x64, residuals, treedef, lambda lin, ts: lin(ts))
-        return y, aux, lambda ts: apply(list(ts))
+        return y, aux, _forward_mode(lambda ts: apply(list(ts)))
 
     # ------------------------------------------------------------- batched
     # The forward pass is the primitive's own; the batch is one jax.vmap of the linearisation
@@ -315,7 +365,7 @@ class JaxAdapter(Adapter):
         apply = self._applied(
             fn, "batched_pushforward_apply", x64, residuals, treedef, lambda lin, ts: jax.vmap(lin)(ts)
         )
-        return y, aux, lambda ts: apply(list(ts))
+        return y, aux, _forward_mode(lambda ts: apply(list(ts)))
 
     def value_and_batched_pullback(self, fn: Callable, xs: list, data: list) -> tuple[Any, Any, Callable]:
         x64 = _wants_x64(xs, data)
@@ -371,6 +421,20 @@ class JaxAdapter(Adapter):
                 total = dy if total is None else total + dy
             return function(*primals), total
 
+        return function
+
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        # jax's own mechanisms, which nest, batch and compile: custom_jvp where there is a jvp
+        # rule (jax transposes it for reverse mode), else custom_vjp (reverse mode only; the
+        # Jacobians and Hessians then take reverse mode: _or_reverse)
+        if rule.stops_gradient:
+            return lambda *inputs: tuple(map(jax.lax.stop_gradient, inputs))
+        if rule.has_jvp:
+            function = jax.custom_jvp(rule.value)
+            function.defjvp(rule.jvp)
+        else:
+            function = jax.custom_vjp(rule.value)
+            function.defvjp(rule.forward, rule.backward)
         return function
 
     # ---------------------------------------------- fast derived operators
@@ -499,7 +563,7 @@ class JaxAdapter(Adapter):
 
                 # the cheaper mode, from the shapes at trace time (a new shape retraces)
                 n_out = jax.eval_shape(value, xs).size
-                transform = jax.jacrev if n_out <= sum(x.size for x in xs) else jax.jacfwd
+                transform = jax.jacrev if n_out <= sum(x.size for x in xs) else _jacfwd
                 return transform(value)(xs)
 
             return jacobian
@@ -513,7 +577,7 @@ class JaxAdapter(Adapter):
             traced = self._traced(fn, "hvp")
             grad = jax.grad(lambda xs, data: traced(xs, data)[0])
             # forward over reverse, the tangent only: what jax's own hvp idiom computes
-            return lambda xs, data, ts: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))[1]
+            return lambda xs, data, ts: _hvp(grad, xs, data, ts)[1]
 
         return self._direct(self._compiled(fn, "hvp only", x64, build), x64)
 
@@ -530,7 +594,7 @@ class JaxAdapter(Adapter):
 
                 n_out = jax.eval_shape(lambda xs: traced(xs, data)[0], xs).size
                 n_in = sum(x.size for x in xs)
-                transform = jax.jacrev if n_out <= n_in else jax.jacfwd
+                transform = jax.jacrev if n_out <= n_in else _jacfwd
                 jacs, y = transform(value, has_aux=True)(xs)
                 return y, jacs
 
@@ -566,7 +630,7 @@ class JaxAdapter(Adapter):
                     y, g = jax.value_and_grad(lambda xs: traced(xs, data)[0])(xs)
                     return g, (y, g)
 
-                h, (y, g) = jax.jacfwd(gradient, has_aux=True)(xs)
+                h, (y, g) = _jacfwd(gradient, has_aux=True)(xs)
                 return y, g, h
 
             return value_gradient_and_hessian
@@ -583,7 +647,7 @@ class JaxAdapter(Adapter):
         def build() -> Callable:
             traced = self._traced(fn, "hvp")
             grad = jax.grad(lambda xs, data: traced(xs, data)[0])
-            return lambda xs, data, ts: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))
+            return lambda xs, data, ts: _hvp(grad, xs, data, ts)
 
         compiled = self._compiled(fn, "hvp", x64, build)
         with self._scope(x64):
@@ -610,7 +674,7 @@ class JaxAdapter(Adapter):
 
         compiled = self._compiled(fn, "value_derivative_and_second_derivative", x64, build)
         with self._scope(x64):
-            return compiled(xs[0], data)
+            return _forward_mode(compiled)(xs[0], data)
 
     def second_derivative(self, fn: Callable, xs: list, data: list) -> Any:
         return self.value_derivative_and_second_derivative(fn, xs, data)[2]

@@ -99,8 +99,9 @@ def _mx_dtype(name: str) -> Any:
     return dtype
 
 
-def _evaluated(*trees: Any) -> None:
-    """Compute every array of ``trees`` now (MLX is lazy), unless an outer transform is tracing.
+def _evaluated(*trees: Any) -> Any:
+    """Compute every array of ``trees`` now (MLX is lazy), unless an outer transform is tracing;
+    returns the first tree.
 
     Inside ``mx.grad``, ``mx.vjp``, ``mx.vmap``, ``mx.compile``... (an operator called from a
     function being differentiated) evaluating would cut the outer graph: MLX detaches what
@@ -114,14 +115,15 @@ def _evaluated(*trees: Any) -> None:
         # (slower: only once a process has built a foreign kernel for mlx code).
         if not _in_transform():
             mx.eval(*trees)
-        return
+        return trees[0]
     try:
         mx.async_eval(*trees)
     except ValueError as err:
         if _IN_TRANSFORM not in str(err):
             raise
-        return
-    mx.eval(*trees)
+    else:
+        mx.eval(*trees)
+    return trees[0]
 
 
 #: whether custom_function has built a boundary (differentiate_with, mlx code calling a kernel) here
@@ -130,16 +132,14 @@ _FOREIGN_KERNELS = [False]
 
 def _in_vjp_rule(action: Callable[[], Any]) -> Any:
     """``action()`` run inside a custom vjp rule, where MLX keeps the graph (see :func:`_concrete`)."""
-    done = []
+    done, probe = [], mx.custom_function(lambda z: z)
 
+    @probe.vjp
     def rule(_primals: Any, cotangent: Any, _output: Any) -> Any:
         done.append(action())
         return cotangent
 
-    probe = mx.custom_function(lambda z: z)
-    probe.vjp(rule)
-    zero = mx.array(0.0)
-    mx.vjp(probe, [zero], [zero])
+    mx.vjp(probe, [mx.array(0.0)], [mx.array(0.0)])
     return done[0]
 
 
@@ -171,9 +171,7 @@ def _gpus() -> list[str]:
         except (AttributeError, RuntimeError, ValueError):  # an MLX without this query
             count = 1
         return [f"cuda:{i}" for i in range(count)]
-    if metal is not None and metal.is_available():
-        return ["mps:0"]
-    return []
+    return ["mps:0"] if metal is not None and metal.is_available() else []
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,8 +197,7 @@ class MLXParameter(HeldVariable):
 
     @property
     def module(self) -> nn.Module:
-        module = self._module()
-        if module is None:
+        if (module := self._module()) is None:
             raise CollectedError(f"the module holding MLX parameter {self.name!r} was garbage collected")
         return module
 
@@ -211,10 +208,8 @@ class MLXParameter(HeldVariable):
                 node = node[key]
             node[self.path[-1]]
         except (KeyError, IndexError, TypeError):
-            raise InvalidArgumentError(
-                f"the module no longer holds MLX parameter {self.name!r} (its structure changed); "
-                f"take ad.Params(model) again"
-            ) from None
+            raise InvalidArgumentError(f"the module no longer holds MLX parameter {self.name!r} (its structure "
+                                       f"changed); take ad.Params(model) again") from None
         return node, self.path[-1]
 
     def _get(self) -> Any:
@@ -237,8 +232,7 @@ _PARAMETERS: WeakLRU[dict] = WeakLRU()
 def parameter(module: nn.Module, path: tuple, name: str) -> MLXParameter:
     """The one :class:`MLXParameter` of ``module`` at ``path`` (made on first request)."""
     table = _PARAMETERS.get_or_put((module,), dict)
-    found = table.get(path)
-    if found is None:
+    if (found := table.get(path)) is None:
         found = table.setdefault(path, MLXParameter(module, path, name))
     return found
 
@@ -277,9 +271,7 @@ def module_parameters(model: nn.Module) -> list[tuple[str, MLXParameter, bool]]:
 
 
 def _to_numpy(a: Any) -> np.ndarray:
-    if a.dtype == mx.bfloat16:
-        return bfloat16_numpy(np.array(a.astype(mx.float32)))
-    return np.array(a)
+    return bfloat16_numpy(np.array(a.astype(mx.float32))) if a.dtype == mx.bfloat16 else np.array(a)
 
 
 def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
@@ -299,10 +291,6 @@ def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-def _is_mx(a: Any) -> bool:
-    return isinstance(a, mx.array)
-
-
 class _Traced:
     """``fn`` as MLX's transforms take it: arrays in, arrays out.
 
@@ -316,7 +304,7 @@ class _Traced:
     def __init__(self, adapter: MLXAdapter, fn: FlatFn, operator: str | None = None):
         self.adapter, self.fn, self.operator = adapter, fn, operator
         # None is a leaf of aux here: f's None values come back as they were
-        self.statics = AuxStatics(_is_mx, functools.partial(optree.tree_flatten, none_is_leaf=True))
+        self.statics = AuxStatics(adapter.is_native, functools.partial(optree.tree_flatten, none_is_leaf=True))
 
     def __call__(self, xs: list, data: list) -> tuple[Any, list]:
         self.adapter.trace_count += 1
@@ -331,9 +319,7 @@ class _Traced:
         return lambda *xs: self(list(xs), data)[0]
 
     def aux(self, xs: list, data: list, arrays: list) -> Any:
-        if not getattr(self.fn, "has_aux", True):
-            return None
-        return self.statics.join(signature(xs, data), arrays)
+        return self.statics.join(signature(xs, data), arrays) if getattr(self.fn, "has_aux", True) else None
 
 
 class _Variables:
@@ -402,9 +388,8 @@ class _Variables:
         dtype = values[0].dtype
 
         def fit(a: Any) -> Any:
-            if isinstance(a, mx.array) and a.dtype != dtype and mx.issubdtype(a.dtype, mx.floating):
-                return a.astype(dtype)
-            return a
+            floating = isinstance(a, mx.array) and a.dtype != dtype and mx.issubdtype(a.dtype, mx.floating)
+            return a.astype(dtype) if floating else a
 
         return optree.tree_map(fit, args) if args else args
 
@@ -413,17 +398,14 @@ class MLXAdapter(Adapter):
     name = "mlx"
     extra = "mlx"
     modules = ("mlx",)
-    fast_routes = {
-        "prepare_value_and_gradient": "prepare_value_and_gradient", "jacobian": "jacobian", "hessian": "hessian",
-        "hvp": "hvp",
-    }
+    fast_routes = {"prepare_value_and_gradient": "prepare_value_and_gradient", "jacobian": "jacobian",
+                   "hessian": "hessian", "hvp": "hvp"}
 
     def __init__(self, *, device: str = "cpu", compile: bool = False):
         if not isinstance(compile, bool):
             raise ArgumentTypeError(f"compile must be True or False, got {compile!r}")
         super().__init__(device=device, compile=compile)
-        self.compile = compile
-        self.reuses_traces = compile  # a compiled trace freezes what f reads (see Adapter.reuses_traces)
+        self.compile = self.reuses_traces = compile  # a compiled trace freezes what f reads (Adapter.reuses_traces)
         # a canonical name (devices()) as MLX's device: "cuda:N" and "mps:0" are both GPU N of mx.gpu
         kind, _, index = self.device.partition(":")
         self.mx_device = mx.Device(mx.cpu) if kind == "cpu" else mx.Device(mx.gpu, int(index))
@@ -471,9 +453,8 @@ class MLXAdapter(Adapter):
 
     def scope(self, arrays: Sequence[Any]) -> ContextManager[Any]:
         # the optimisers' arithmetic: float64 only exists on the CPU (Metal has none)
-        if any(isinstance(a, mx.array) and a.dtype == mx.float64 for a in arrays):
-            return mx.stream(mx.cpu)
-        return contextlib.nullcontext()
+        float64 = any(isinstance(a, mx.array) and a.dtype == mx.float64 for a in arrays)
+        return mx.stream(mx.cpu) if float64 else contextlib.nullcontext()
 
     def _output(self, y: Any) -> Any:
         """``f``'s value as an MLX array: the core's check_output has refused a numpy value
@@ -494,35 +475,51 @@ class MLXAdapter(Adapter):
         _FOREIGN_KERNELS[0] = True
         op = _custom_value(value, _mx_dtype(out[1]))
 
+        @op.vjp
         def vjp(primals: Any, cotangent: Any, _output: Any) -> Any:
             inputs = _listed(primals)
             cotangents = [rule(_one(cotangent), *inputs) for rule in vjps]
             return cotangents[0] if len(cotangents) == 1 else tuple(cotangents)
 
+        @op.jvp
         def jvp(primals: Any, tangents: Any) -> Any:
             inputs = _listed(primals)
             parts = [rule(t, *inputs) for rule, t in zip(jvps, _listed(tangents)) if t is not None]
             return sum(parts[1:], parts[0])  # MLX asks for a jvp only along some input's tangent
 
-        op.vjp(vjp)
-        op.jvp(jvp)
         return op
+
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        if rule.stops_gradient:  # ad.stop_gradient
+            return lambda *inputs: tuple(map(mx.stop_gradient, inputs))
+        # The backward recomputes rule.forward from the primals MLX hands it (the traced
+        # inputs under an outer transform), so that the residuals depend on the inputs in
+        # the graph a second derivative differentiates; the value alone costs rule.value.
+        def vjp(xs: list, cotangents: list) -> Sequence:
+            if not rule.has_vjp:  # MLX cannot transpose a jvp rule
+                raise rule.no_vjp_error()
+            return rule.backward(rule.forward(*xs)[1], tuple(cotangents))
+
+        def jvp(xs: list, tangents: list) -> Sequence:
+            if rule.has_jvp:
+                return rule.jvp(tuple(xs), tuple(tangents))[1]
+            # the backward is linear in the cotangents: the pullback of u -> J^T u is the
+            # JVP, t -> J t (as _jvp's reverse route), not a derivative of rule.value
+            ys, residuals = rule.forward(*xs)
+            return mx.vjp(lambda *u: list(rule.backward(residuals, u)), [mx.zeros_like(y) for y in ys], tangents)[1]
+
+        return _rule_function(lambda xs: rule.value(*xs), vjp, jvp)
 
     # ------------------------------------------------------------ compilation
     def _library_error(self, err: ValueError) -> Exception:
         """Our error for MLX's refusal to evaluate a traced value or to differentiate a
         primitive that has no reverse rule, else ``err`` itself."""
-        missing = _NO_VJP.search(str(err))
-        if missing is not None:
+        if (missing := _NO_VJP.search(str(err))) is not None:
             return _no_vjp_error(missing.group(1))
         if _EVAL_IN_TRANSFORM not in str(err):
             return err
-        fix = (
-            "pass compile=False (ad.backend('mlx', compile=False)) to run f eagerly, where such "
-            "branches work, or"
-            if self.compile
-            else "f runs inside an mx.compile or mx.vmap of yours here;"
-        )
+        fix = ("pass compile=False (ad.backend('mlx', compile=False)) to run f eagerly, where such branches work, or"
+               if self.compile else "f runs inside an mx.compile or mx.vmap of yours here;")
         return TracedControlFlowError(
             f"f used a traced MLX value where Python needs a concrete value (an if/while on an array, "
             f"float(), .item(), np.array()) inside mx.compile or mx.vmap ({err}); {fix} write the branch "
@@ -599,20 +596,19 @@ class MLXAdapter(Adapter):
         pullback = "vjp" in operator
 
         def apply(v: Any) -> Any:
+            # an x without elements: known without MLX (see _value_and_gradient_past_empty),
+            # with the batch axis of v, if any
+            if pullback and _empty(xs):
+                return [mx.zeros((*v.shape[: v.ndim - y.ndim], *x.shape), x.dtype) for x in xs]
+            if _empty(xs):
+                return mx.zeros((*v[0].shape[: v[0].ndim - xs[0].ndim], *y.shape), y.dtype)
             if pullback:
-                lead = v.shape[: v.ndim - y.ndim]  # the batch axis, if any
-                if _empty(xs):  # known without MLX (see _value_and_gradient_past_empty)
-                    return [mx.zeros((*lead, *x.shape), x.dtype) for x in xs]
                 call, _ = self._compiled(fn, operator, lambda traced: build(traced, False))
-                out = self._call(call, xs, data, v)
-            else:
-                if _empty(xs):
-                    return mx.zeros((*v[0].shape[: v[0].ndim - xs[0].ndim], *y.shape), y.dtype)
-                out = self._forward_or_reverse(fn, operator, build, xs, data, list(v))
-                if out.dtype != y.dtype:  # a float64 tangent must not widen a float32 result
-                    out = out.astype(y.dtype)
-            _evaluated(out, *pending)
-            return out
+                return _evaluated(self._call(call, xs, data, v), *pending)
+            out = self._forward_or_reverse(fn, operator, build, xs, data, list(v))
+            if out.dtype != y.dtype:  # a float64 tangent must not widen a float32 result
+                out = out.astype(y.dtype)
+            return _evaluated(out, *pending)
 
         return y, traced.aux(xs, data, aux), apply
 
@@ -652,8 +648,7 @@ class MLXAdapter(Adapter):
         grads = [mx.zeros(x.shape, x.dtype) for x in xs]
         for i, g in zip(kept, vjp(mx.ones_like(y)) if kept else []):
             grads[i] = g
-        _evaluated(grads)
-        return y, aux, grads
+        return y, aux, _evaluated(grads)
 
     # jacobian and hessian are taken only without chunk_size: mx.vmap over the whole basis has
     # no chunks, the core's are chunks of batched primitive calls.  An x with no element goes to
@@ -668,16 +663,12 @@ class MLXAdapter(Adapter):
     def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         if _empty(xs):
             return DerivedOperators.flat_hessian(self.backend, fn, xs, data)
-        h = self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data)
-        _evaluated(h, xs, data)
-        return h
+        return _evaluated(self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data), xs, data)
 
     def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         if _empty(xs):
             return DerivedOperators.flat_hvp(self.backend, fn, xs, data, tangents)
-        hv = self._forward_or_reverse(fn, "hvp", _hvp, xs, data, list(tangents))
-        _evaluated(hv, xs, data)
-        return list(hv)
+        return list(_evaluated(self._forward_or_reverse(fn, "hvp", _hvp, xs, data, list(tangents)), xs, data))
 
 
 # ---------------------------------------------------------------------------------------
@@ -765,10 +756,9 @@ def _hessian(traced: _Traced, reverse: bool) -> Callable:
 def _hvp(traced: _Traced, reverse: bool) -> Callable:
     def hvp(xs: list, data: list, ts: list) -> list:
         grad = mx.grad(lambda xs: traced(xs, data)[0])
-        if reverse:  # H is symmetric: the pullback of the gradient is the product
-            return mx.vjp(lambda *xs: grad(list(xs)), xs, ts)[1]
-        # forward over reverse: one jvp of the gradient, no Hessian built
-        return mx.jvp(lambda *xs: grad(list(xs)), xs, ts)[1]
+        # reverse: H is symmetric, the pullback of the gradient is the product; else forward
+        # over reverse, one jvp of the gradient, no Hessian built
+        return (mx.vjp if reverse else mx.jvp)(lambda *xs: grad(list(xs)), xs, ts)[1]
 
     return hvp
 
@@ -803,19 +793,55 @@ def _custom_value(value: Callable[..., np.ndarray], dtype: Any) -> Any:
 
     op = mx.custom_function(call)
 
+    @op.vmap
     def batched(inputs: Any, axes: Any) -> tuple:
         inputs, axes = _listed(inputs), _listed(axes)
         moved = [a if d is None else mx.moveaxis(a, d, 0) for a, d in zip(inputs, axes)]
         size = next(a.shape[0] for a, d in zip(moved, axes) if d is not None)
         return mx.stack([op(*[a if d is None else a[k] for a, d in zip(moved, axes)]) for k in range(size)]), 0
 
-    op.vmap(batched)
     return op
 
 
 def _listed(a: Any) -> list:
     # mx.custom_function hands one primal, tangent, cotangent or vmap axis over bare
     return list(a) if isinstance(a, (list, tuple)) else [a]
+
+
+def _rule_function(value: Callable[[list], Sequence], vjp: Callable[[list, list], Sequence], jvp: Callable) -> Any:
+    """``*xs -> tuple(value(xs))`` as an MLX custom function whose derivatives are
+    ``vjp(primals, cotangents)`` and ``jvp(primals, tangents)`` (lists, no None), the rules
+    of :meth:`MLXAdapter.custom_rule`.  Under mx.vmap it is such a function again, of the
+    rules vmapped: MLX's own batching would return the graph of the value, and a derivative
+    taken outside the vmap would differentiate that graph instead of calling the rules."""
+    op = mx.custom_function(lambda *xs: tuple(value(list(xs))))  # a tuple in, a tuple out
+
+    @op.vjp
+    def vjp_rule(primals: Any, cotangents: Any, outputs: Any) -> tuple:
+        cts = [mx.zeros_like(o) if c is None else c for c, o in zip(_listed(cotangents), _listed(outputs))]
+        return tuple(vjp(_listed(primals), cts))
+
+    @op.jvp
+    def jvp_rule(primals: Any, tangents: Any) -> tuple:
+        xs = _listed(primals)
+        return tuple(jvp(xs, [mx.zeros_like(x) if t is None else t for x, t in zip(xs, _listed(tangents))]))
+
+    @op.vmap
+    def vmap_rule(inputs: Any, axes: Any) -> tuple:
+        inputs, axes = _listed(inputs), _listed(axes)
+        size = next(a.shape[d] for a, d in zip(inputs, axes) if d is not None)
+        # every input batched on axis 0 (broadcast_to copies nothing), so that each rule
+        # is one mx.vmap of itself; MLX sums an unbatched input's cotangent over the batch
+        xs = [mx.broadcast_to(a, (size, *a.shape)) if d is None else mx.moveaxis(a, d, 0) for a, d in zip(inputs, axes)]
+
+        each = lambda rule: lambda *a: tuple(rule(list(a[: len(xs)]), list(a[len(xs):])))  # noqa: E731
+
+        outputs = _rule_function(lambda xs: mx.vmap(lambda *a: tuple(value(list(a))))(*xs),
+                                 lambda xs, cts: mx.vmap(each(vjp))(*xs, *cts),
+                                 lambda xs, ts: mx.vmap(each(jvp))(*xs, *ts))(*xs)
+        return outputs, (0,) * len(outputs)
+
+    return op
 
 
 def _concrete(arrays: tuple) -> list[np.ndarray | None]:

@@ -48,19 +48,23 @@ import numpy as np
 import optree
 import pytensor
 import pytensor.tensor as pt
+from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.gradient import (
     DisconnectedType,
     NullTypeGradError,
+    disconnected_grad,
     disconnected_type,
     grad_undefined,
     hessian_vector_product,
     jacobian,
     pullback,
 )
-from pytensor.graph.basic import Apply, Variable
+from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.op import Op
 from pytensor.graph.replace import graph_replace
+from pytensor.graph.traversal import graph_inputs
+from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.sharedvar import TensorSharedVariable
 from pytensor.tensor.variable import TensorConstant, TensorVariable
 
@@ -302,6 +306,29 @@ class PyTensorAdapter(Adapter):
     ) -> Callable[..., Any]:
         # an Op: PyTensor differentiates the graph symbolically, so the rules build graphs too
         return _CustomOp(value, tuple(vjps), tuple(jvps), out)
+
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        if rule.stops_gradient:  # ad.stop_gradient
+            return lambda *inputs: tuple(map(self._stop_gradient, inputs))
+
+        def h(*inputs: Any) -> tuple:
+            if not any(isinstance(a, Variable) for a in inputs):  # numbers: the value, nothing to differentiate
+                return _evaluate(rule.value(*inputs))
+            inputs = [pt.as_tensor_variable(a) for a in inputs]
+            inner = [a.type() for a in inputs]
+            outputs = [pt.as_tensor_variable(o) for o in rule.value(*inner)]
+            # symbolic values the rule closes over (of the graph being traced): inputs it does not differentiate
+            own = set(map(id, inner))
+            free = [v for v in graph_inputs(outputs)
+                    if id(v) not in own and not isinstance(v, (Constant, SharedVariable))]
+            return tuple(_RuleOp(rule, inner, outputs, free)(*inputs, *free, return_list=True))
+
+        return h
+
+    def _stop_gradient(self, a: Any) -> Any:
+        # disconnected_grad rather than zero_grad: ZeroGrad's R-op is a float64 zeros(1), not
+        # zeros shaped and typed like its input; a numpy array has no derivative to stop
+        return disconnected_grad(a) if isinstance(a, Variable) else a
 
     # ------------------------------------------------------------ compiling
     def _trace(self, body: Callable, call: Callable, wrt: list, *groups: list) -> tuple[list, Any]:
@@ -630,3 +657,86 @@ class _CustomOp(Op):
     def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
         terms = [rule(t, *inputs) for rule, t in zip(self.jvps, tangents) if _connected(t)]
         return [pt.add(*terms) if terms else disconnected_type()]
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp / custom_jvp: the core's rule as an OpFromGraph whose derivatives are the rule's.
+def _evaluate(outputs: Sequence[Any]) -> tuple:
+    """The rule's value on numpy inputs as numpy arrays: a rule written with pytensor.tensor
+    gives a graph of constants, run once in FAST_COMPILE (numpy per op: no Numba compilation)."""
+    symbolic = [o for o in outputs if isinstance(o, Variable)]
+    if symbolic:
+        with _COMPILING:
+            values = iter(pytensor.function([], symbolic, mode="FAST_COMPILE")())
+        outputs = [next(values) if isinstance(o, Variable) else o for o in outputs]
+    return tuple(np.asarray(o) for o in outputs)
+
+
+def _transpose(linear: Callable[[list, list], Sequence[Any]], primals: list, like: list, cotangents: list) -> list:
+    """The transpose of ``linear(primals, t)``, linear in ``t`` (shaped like ``like``), applied to
+    ``cotangents``: its pullback built on root stand-ins, replaced once built.  The point ``t``
+    becomes zeros (a linear map's derivative is the same everywhere; a zeros point would let
+    PyTensor drop terms); ``primals`` and ``cotangents`` go in untouched (graph_replace copies
+    the other variables of the graph it rebuilds, and PyTensor's forward mode differentiates
+    with respect to the very cotangent it passed)."""
+    stand, points, seeds = ([a.type() for a in group] for group in (primals, like, cotangents))
+    grads = pullback(list(linear(stand, points)), points, seeds, disconnected_inputs="ignore",
+                     return_disconnected="zero")
+    replace = dict(zip(stand + seeds, primals + cotangents)) | {p: pt.zeros_like(a) for p, a in zip(points, like)}
+    return graph_replace(grads, replace, strict=False)
+
+
+def _known_zero(t: Any) -> bool:
+    try:
+        return pt.get_underlying_scalar_constant_value(t) == 0
+    except NotScalarConstantError:
+        return False
+
+
+_CLOSED_OVER = "a custom rule has no derivative for {}, which its value reads without taking it as an input"
+
+
+class _RuleOp(OpFromGraph):
+    """``rule.value`` as an inlined graph (merged with the residuals' recomputation when
+    compiled) whose pullback is ``rule.backward`` (or the transposed ``rule.jvp``) and whose
+    pushforward is ``rule.jvp`` (or the transposed pullback), built on the node's inputs in
+    differentiable ops: higher derivatives differentiate them, residuals included.
+
+    Ops compare by identity: two rules with one value graph have different derivatives, and
+    OpFromGraph's own comparison would run the rule on dummy inputs."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(self, rule: Any, inputs: list, outputs: list, free: list):
+        self.rule, self.n = rule, len(inputs)
+        super().__init__(inputs + free, outputs, inline=True)
+
+    def connection_pattern(self, node: Any) -> list:
+        # every output depends on every input (shared variables the value reads included): the
+        # rule, not the value graph, says how
+        return [[True] * len(node.outputs)] * len(node.inputs)
+
+    def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
+        rule, args = self.rule, inputs[: self.n]
+        cts = [c if _connected(c) else pt.zeros_like(o) for c, o in zip(cotangents, outputs)]
+        if rule.has_vjp:
+            grads = rule.backward(rule.forward(*args)[1], tuple(cts))
+        else:  # a linear jvp rule's transpose, as jax transposes a custom_jvp
+            grads = _transpose(lambda xs, t: rule.jvp(tuple(xs), tuple(t))[1], args, args, cts)
+        # a value the rule closes over (a shared variable, a symbolic value): the rule has no derivative for it
+        undefined = [grad_undefined(self, i, v, f"{rule.name}: {_CLOSED_OVER.format(v)}")
+                     for i, v in enumerate(inputs) if i >= self.n]
+        return [_like(pt.as_tensor_variable(g), x.dtype) for g, x in zip(grads, args)] + undefined
+
+    def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
+        rule, args = self.rule, inputs[: self.n]
+        for v, t in zip(inputs[self.n :], tangents[self.n :]):
+            if _connected(t) and not _known_zero(t):  # roots not differentiated get zeros tangents
+                raise NullTypeGradError(f"{rule.name}: {_CLOSED_OVER.format(v)}")
+        ts = [t if _connected(t) else pt.zeros_like(x) for t, x in zip(tangents, args)]
+        if rule.has_jvp:
+            out = rule.jvp(tuple(args), tuple(ts))[1]
+        else:  # the pullback's transpose: two applications of the vjp rule
+            out = _transpose(lambda xs, u: self.pullback(xs, outputs, u), args, outputs, ts)
+        return [_like(pt.as_tensor_variable(t), o.dtype) for t, o in zip(out, outputs)]

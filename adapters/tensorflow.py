@@ -14,6 +14,7 @@ tapes then differentiate through it.  Fast routes: the gradient, the Jacobian (o
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from typing import Any, Callable, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import optree
 import tensorflow as tf
+from tensorflow.python.eager import record as _record  # recording ops on tapes and accumulators
 
 import abstractdiff._operators
 from abstractdiff._arrays import check_scalar, signature
@@ -513,6 +515,53 @@ class TensorFlowAdapter(Adapter):
             return y, gradient
 
         return function
+
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        if rule.stops_gradient:  # ad.stop_gradient
+            return lambda *inputs: tuple(map(tf.stop_gradient, inputs))
+        # tf.custom_gradient alone is not enough: a ForwardAccumulator keeps the first tangent
+        # it gets for a tensor, which is the native one of the identity custom_gradient puts on
+        # the outputs (forward mode would silently differentiate the value, not the rule), and
+        # it cannot take a jvp rule.  So the outputs are made with all recording stopped and
+        # recorded once, on every tape and accumulator, with the backward and (for a jvp
+        # rule) a forward function; without one an accumulator transposes the backward
+        # (double vjp), which is the vjp rule's own derivative.  The custom_gradient made
+        # under the stopped recording is the graph's gradient (IdentityN), for the symbolic
+        # gradients of a tf.function called under a tape and tf.gradients.
+        def backward(*cotangents: Any, residuals: Any = None, outputs: Sequence = ()) -> list:
+            if not rule.has_vjp:
+                raise rule.no_vjp_error()
+            cotangents = tuple(tf.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents))
+            return list(rule.backward(residuals, cotangents))
+
+        def h(*inputs: Any) -> tuple:
+            inputs = [tf.convert_to_tensor(a) for a in inputs]
+            if tf.executing_eagerly() and not _record.could_possibly_record():  # nothing can differentiate
+                return tuple(rule.value(*inputs))
+            if rule.has_vjp:
+                # recorded: the residuals stay connected to the inputs, so a tape over the
+                # backward gets its second derivative right
+                outputs, residuals = rule.forward(*inputs)
+            else:
+                with _record.stop_recording():
+                    outputs, residuals = rule.value(*inputs), None
+            outputs = [tf.convert_to_tensor(o) for o in outputs]
+            grad = functools.partial(backward, residuals=residuals, outputs=outputs)
+
+            def jvp(*tangents: Any) -> list:  # TensorFlow passes zeros for a missing tangent
+                return list(rule.jvp(tuple(inputs), tangents)[1])
+
+            @tf.custom_gradient
+            def boundary(*_: Any) -> tuple:
+                return [tf.identity(o) for o in outputs], grad
+
+            with _record.stop_recording():
+                results = boundary(*inputs)
+            _record.record_operation(rule.name, results, inputs, grad, jvp if rule.has_jvp else None)
+            return tuple(results)
+
+        return h
+
 
     # ------------------------------------------------------- flat operators
     def value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:

@@ -53,6 +53,7 @@ import torch.func
 from abstractdiff._arrays import bfloat16_numpy, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
+    CustomRuleError,
     InvalidArgumentError,
     ModeMismatchError,
     NonDifferentiableInputError,
@@ -552,6 +553,11 @@ class TorchAdapter(Adapter):
         node = _Node(value, tuple(vjps), tuple(jvps))
         return lambda *inputs: _Custom.apply(node, *inputs)
 
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        if rule.stops_gradient:
+            return lambda *inputs: tuple(a.detach() for a in inputs)
+        return lambda *inputs: _Rule.apply(rule, *inputs)
+
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
     def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
@@ -621,7 +627,11 @@ class TorchAdapter(Adapter):
                 if len(modes) < 64:
                     modes[key] = mode
             transform, dtype = mode
-            jacs, y = transform(*xs, *data) if with_value else (transform(*xs, *data), None)
+            try:
+                jacs, y = transform(*xs, *data) if with_value else (transform(*xs, *data), None)
+            except CustomRuleError:  # an ad.custom_vjp (custom_jvp) has a rule in one mode: take that one
+                other = forward_mode if transform is reverse else reverse
+                jacs, y = other(*xs, *data) if with_value else (other(*xs, *data), None)
             jacs = [j if j.dtype == dtype or not j.is_floating_point() else j.to(dtype) for j in (
                 (jacs,) if k == 1 else jacs)]
             return (y, jacs) if with_value else jacs
@@ -665,8 +675,9 @@ def _grad_and_hvp(grad: Callable[..., tuple], xs: list, tangents: list) -> tuple
     Hessian is symmetric, so the vjp of the tangents is the product."""
     try:
         return torch.func.jvp(grad, tuple(xs), tuple(tangents))
-    except RuntimeError as err:
-        if "same scalar type" not in str(err) and "same dtype" not in str(err):
+    except (RuntimeError, CustomRuleError) as err:  # an ad.custom_vjp: it has no forward-mode rule
+        if not isinstance(err, CustomRuleError) and "same scalar type" not in str(err) and "same dtype" not in str(
+                err):
             raise
         g, vjp = torch.func.vjp(grad, *xs)
         return g, vjp(tuple(tangents))
@@ -751,6 +762,48 @@ class _Custom(torch.autograd.Function):
     @classmethod
     def vmap(cls, info: Any, in_dims: tuple, node: _Node, *tensors: torch.Tensor) -> tuple:
         return _batched(info, in_dims[1:], lambda *t: cls.apply(node, *t), *tensors), 0
+
+
+class _Rule(torch.autograd.Function):
+    """An ``ad.custom_vjp`` or ``ad.custom_jvp`` rule (:meth:`TorchAdapter.custom_rule`) as a
+    torch operation: reverse mode is ``rule.backward``, forward mode ``rule.jvp``, and torch.func
+    batches the rule's own torch code (``generate_vmap_rule``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(rule: Any, *inputs: torch.Tensor) -> tuple:
+        if not rule.has_vjp:
+            return rule.value(*inputs)
+        outputs, rule.residuals = rule.forward(*inputs)  # the rule is this call's own: setup_context takes them
+        return outputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.rule = rule = inputs[0]
+        ctx.residuals, rule.residuals = getattr(rule, "residuals", None), None
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:
+        rule, inputs = ctx.rule, ctx.saved_tensors
+        if not rule.has_vjp:
+            raise rule.no_vjp_error()
+        residuals = ctx.residuals
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            # a graph of the backward is being built (a second derivative): the residuals
+            # the forward made without one are made again, now depending on the inputs
+            residuals = rule.forward(*inputs)[1]
+        return None, *rule.backward(residuals, cotangents)
+
+    @staticmethod
+    def jvp(ctx: Any, _rule_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        rule, inputs = ctx.rule, ctx.saved_tensors
+        if not rule.has_jvp:
+            raise rule.no_jvp_error()
+        full = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(inputs, tangents))
+        return rule.jvp(inputs, full)[1]
 
 
 def _batched(info: Any, dims: tuple, call: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:

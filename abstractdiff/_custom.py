@@ -1,0 +1,464 @@
+"""Custom derivatives written once for every backend: ``ad.custom_vjp``, ``ad.custom_jvp``
+and ``ad.stop_gradient`` (jax's semantics), on the adapters' ``custom_rule`` hook.
+
+A function made with :class:`custom_vjp` or :class:`custom_jvp` looks, when it is called,
+at the float arrays among its arguments, finds their library through the registry
+(:func:`abstractdiff._registry.backend_for`, as :func:`~abstractdiff.differentiate_with`
+does) and hands that library one :class:`Rule`: the user's function and rules as functions
+of the flat float leaves, with the pytrees rebuilt and every cotangent and tangent the user
+returns checked here (count, structure, shape, dtype).  The adapter's
+:meth:`~abstractdiff.protocol.Adapter.custom_rule` wires the rule into the library's own
+mechanism (``jax.custom_vjp``, ``torch.autograd.Function``, ``tf.custom_gradient``...), so
+the rule runs on the caller's arrays, on their device, under the library's ``jit``.
+
+* Called on numpy arrays (no library claims them), the function is ``f`` itself: outside
+  differentiation that is its value, and under ``finite_differences`` it is what an oracle
+  must differentiate (rules are ignored there: the docs say so).
+* ``stop_gradient`` under ``finite_differences`` cannot be honoured (the perturbed points
+  flow through it), so it raises :class:`~abstractdiff.CustomRuleError` there; the finite
+  differences adapter marks its evaluations with :func:`numerical_evaluation`.
+
+Implicit differentiation (``custom_root``, ``custom_fixed_point``) is built on
+:class:`custom_vjp` in :mod:`abstractdiff._implicit_diff`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any, Callable
+
+import numpy as np
+import optree
+
+from ._arrays import dtype_name, shape_of
+from ._errors import ArgumentTypeError, CustomRuleError
+from ._tree import is_array, is_float_dtype
+
+__all__ = ["Rule", "current_backend", "custom_jvp", "custom_vjp", "numerical_evaluation", "stop_gradient"]
+
+#: The name of the numerical backend evaluating ``f`` now (finite differences), or None.
+_NUMERICAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("abstractdiff_numerical", default=None)
+#: The backend whose library runs the rule being called now (for rules that call operators).
+_RUNNING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_rule_backend", default=None)
+
+
+class numerical_evaluation:
+    """``with numerical_evaluation(name):`` marks what it runs as the evaluations of ``f`` by a
+    numerical backend called ``name``: :func:`stop_gradient` refuses to run there."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.token = _NUMERICAL.set(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        _NUMERICAL.reset(self.token)
+
+
+def current_backend() -> Any:
+    """The backend whose library is running a rule's ``fwd``/``bwd``/``jvp`` now, or None."""
+    return _RUNNING.get()
+
+
+def _is_input(leaf: Any) -> bool:
+    """A leaf the custom function differentiates: a float array (Python floats are constants)."""
+    return is_array(leaf) and is_float_dtype(leaf.dtype)
+
+
+def _library_of(inputs: list) -> Any:
+    """The backend of the library whose arrays ``inputs`` are (numpy's: None)."""
+    from ._registry import backend_for
+
+    found = None
+    for a in inputs:
+        if type(a) is np.ndarray or isinstance(a, np.generic):
+            continue
+        b = backend_for(a)
+        if b is None or b is found:
+            continue
+        if found is not None:
+            raise CustomRuleError(
+                f"a custom function was called with arrays of two libraries ({found.name} and {b.name}); "
+                f"convert them to one library first (ad.differentiate_with composes libraries)"
+            )
+        found = b
+    return found
+
+
+def _static_shape(a: Any) -> tuple | None:
+    try:
+        return shape_of(a)
+    except (TypeError, ValueError):
+        return None  # a symbolic shape not known statically (PyTensor): not checked
+
+
+def _describe(a: Any) -> str:
+    return f"{type(a).__name__} of shape {_static_shape(a)} and dtype {dtype_name(a)}" if is_array(a) else repr(a)
+
+
+class Rule:
+    """One call of a custom function, as an adapter's
+    :meth:`~abstractdiff.protocol.Adapter.custom_rule` hook sees it (the hook's docstring is
+    its contract): the function and its rules as functions of the call's float leaves, in
+    order, returning tuples of the output's float leaves."""
+
+    def __init__(self, spec: _CustomFunction, backend: Any, args: tuple, leaves: list, treedef: Any,
+                 index: list[int]):
+        self.spec = spec
+        self.backend = backend
+        self.name = spec.__name__
+        self.has_vjp = spec._bwd is not None
+        self.has_jvp = spec._jvp is not None
+        self.stops_gradient = spec._kind == "stop_gradient"
+        self._args = args
+        self._leaves = leaves
+        self._treedef = treedef
+        self._index = index
+        # the outputs' structure, known once the function has run (stop_gradient's: its inputs')
+        self.out_treedef: Any = optree.tree_structure((0,) * len(index)) if self.stops_gradient else None
+
+    # ------------------------------------------------------------ the pytrees
+    def _rebuild(self, values: tuple, constants: bool = True) -> tuple:
+        """The positional arguments with ``values`` at the float leaves; the other leaves are
+        the call's own (``constants``) or None (a tangent's: constants have none)."""
+        leaves = list(self._leaves) if constants else [None] * len(self._leaves)
+        for i, a in zip(self._index, values):
+            leaves[i] = a
+        return optree.tree_unflatten(self._treedef, leaves)
+
+    def _outputs(self, out: Any, what: str) -> tuple:
+        leaves, treedef = optree.tree_flatten(out)
+        for leaf in leaves:
+            if not _is_input(leaf):
+                raise CustomRuleError(
+                    f"{self.name}: {what} must return float arrays (a pytree of them), but one output leaf is "
+                    f"{_describe(leaf)}; return integer or constant results from a separate function"
+                )
+        if not leaves:
+            raise CustomRuleError(f"{self.name}: {what} returned no float array")
+        if self.out_treedef is None:
+            self.out_treedef = treedef
+        elif treedef != self.out_treedef:
+            raise CustomRuleError(
+                f"{self.name}: {what} returned an output of structure {treedef}, but the function's output has "
+                f"structure {self.out_treedef}: fwd's first result must be f's output"
+            )
+        return tuple(leaves)
+
+    def _checked(self, given: Any, like: list, what: str, per: str) -> tuple:
+        """``given`` (one value per leaf of ``like``'s pytree, None meaning zero) checked
+        against ``like``, with zeros filled in."""
+        out = []
+        for k, (g, a) in enumerate(zip(given, like)):
+            if not _is_input(a):
+                out.append(None)
+                continue
+            if g is None:
+                out.append(self.backend.zeros_like(a))
+                continue
+            if not is_array(g):
+                raise CustomRuleError(
+                    f"{self.name}: {what} {per} leaf {k} is {_describe(g)}, not an array; return an array shaped "
+                    f"like that leaf ({_describe(a)}), or None for zero"
+                )
+            shape, want = _static_shape(g), _static_shape(a)
+            if shape is not None and want is not None and shape != want:
+                raise CustomRuleError(
+                    f"{self.name}: {what} {per} leaf {k} has shape {shape}, but that leaf has shape {want}; "
+                    f"each cotangent or tangent is shaped like its primal (reduce a broadcast one with sum)"
+                )
+            if dtype_name(g) != dtype_name(a):
+                raise CustomRuleError(
+                    f"{self.name}: {what} {per} leaf {k} has dtype {dtype_name(g)}, but that leaf has dtype "
+                    f"{dtype_name(a)}; cast it (a float32 input takes a float32 cotangent)"
+                )
+            out.append(g)
+        return tuple(out)
+
+    # ------------------------------------------------- what the adapters call
+    def value(self, *inputs: Any) -> tuple:
+        """The outputs' float leaves at ``inputs``."""
+        token = _RUNNING.set(self.backend)
+        try:
+            return self._outputs(self.spec.fun(*self._rebuild(inputs)), "f")
+        finally:
+            _RUNNING.reset(token)
+
+    def forward(self, *inputs: Any) -> tuple[tuple, Any]:
+        """``(outputs, residuals)``: the user's ``fwd`` at ``inputs``."""
+        token = _RUNNING.set(self.backend)
+        try:
+            got = self.spec._fwd(*self._rebuild(inputs))
+        finally:
+            _RUNNING.reset(token)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise CustomRuleError(
+                f"{self.name}: fwd must return a pair (out, residuals), got {type(got).__name__}"
+                + (f" of length {len(got)}" if isinstance(got, (tuple, list)) else "")
+            )
+        return self._outputs(got[0], "fwd"), got[1]
+
+    def backward(self, residuals: Any, cotangents: tuple) -> tuple:
+        """One cotangent per input (float leaf), from the user's ``bwd``, checked."""
+        if not self.has_vjp:
+            raise self.no_vjp_error()
+        ct = optree.tree_unflatten(self.out_treedef, list(cotangents))
+        token = _RUNNING.set(self.backend)
+        try:
+            got = self.spec._bwd(residuals, ct)
+        finally:
+            _RUNNING.reset(token)
+        n = len(self._args)
+        if not isinstance(got, (tuple, list)):
+            raise CustomRuleError(
+                f"{self.name}: bwd must return a tuple with one cotangent per positional argument ({n}), got "
+                f"{type(got).__name__}" + ("; write `return (ct_x,)` for one argument" if n == 1 else "")
+            )
+        if len(got) != n:
+            raise CustomRuleError(
+                f"{self.name}: bwd returned {len(got)} cotangents, but the function takes {n} positional "
+                f"argument{'s' if n != 1 else ''}: return one per argument (None for an argument with none)"
+            )
+        flat: list = []
+        for i, (g, arg) in enumerate(zip(got, self._args)):
+            arg_leaves, arg_def = optree.tree_flatten(arg)
+            if g is None:
+                flat.extend([None] * len(arg_leaves))
+                continue
+            try:
+                given = arg_def.flatten_up_to(g)
+            except (ValueError, TypeError) as err:
+                raise CustomRuleError(
+                    f"{self.name}: bwd's cotangent for argument {i} does not have that argument's structure "
+                    f"{arg_def}: {err}"
+                ) from None
+            flat.extend(given)
+        checked = self._checked(flat, self._leaves, "bwd's cotangent", "for argument")
+        return tuple(checked[i] for i in self._index)
+
+    def jvp(self, primals: tuple, tangents: tuple) -> tuple[tuple, tuple]:
+        """``(outputs, output tangents)`` from the user's jvp rule, checked."""
+        if not self.has_jvp:
+            raise self.no_jvp_error()
+        token = _RUNNING.set(self.backend)
+        try:
+            got = self.spec._jvp(self._rebuild(primals), self._rebuild(tangents, constants=False))
+        finally:
+            _RUNNING.reset(token)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise CustomRuleError(
+                f"{self.name}: the jvp rule must return a pair (out, tangent_out), got {type(got).__name__}"
+            )
+        out = self._outputs(got[0], "the jvp rule")
+        try:
+            given = self.out_treedef.flatten_up_to(got[1])
+        except (ValueError, TypeError) as err:
+            raise CustomRuleError(
+                f"{self.name}: the jvp rule's tangent_out does not have the output's structure "
+                f"{self.out_treedef}: {err}"
+            ) from None
+        return out, self._checked(given, list(out), "the jvp rule's tangent_out", "for output")
+
+    # ------------------------------------------------------------ refusals
+    def no_vjp_error(self) -> CustomRuleError:
+        return CustomRuleError(
+            f"{self.name} is an ad.custom_jvp function, and the {self.backend.name} backend cannot transpose a "
+            f"jvp rule into reverse mode (jax alone can): give it a reverse rule with ad.custom_vjp, or use "
+            f"forward mode (pushforward, jacobian of a tall function)"
+        )
+
+    def no_jvp_error(self) -> CustomRuleError:
+        return CustomRuleError(
+            f"{self.name} is an ad.custom_vjp function, which has no forward-mode rule, and the "
+            f"{self.backend.name} backend was asked for forward mode through it: give it a jvp rule with "
+            f"ad.custom_jvp, or use reverse mode (gradient, pullback)"
+        )
+
+    def second_order_error(self, library: str) -> CustomRuleError:
+        return CustomRuleError(
+            f"{self.name}: {library} cannot differentiate through a custom rule a second time (a hessian, hvp, "
+            f"or SecondOrder over it); use a backend whose library nests rules (jax, torch), or give the "
+            f"second derivative its own rule"
+        )
+
+
+class _CustomFunction:
+    """What :class:`custom_vjp` and :class:`custom_jvp` share: the call, which hands the
+    caller's library a :class:`Rule`."""
+
+    _fwd: Callable[..., Any] | None = None
+    _bwd: Callable[..., Any] | None = None
+    _jvp: Callable[..., Any] | None = None
+    _kind = ""
+
+    def __init__(self, fun: Callable[..., Any]):
+        if not callable(fun):
+            raise ArgumentTypeError(f"{type(self).__name__} wraps a function, got {type(fun).__name__}")
+        self.fun = fun
+        functools.update_wrapper(self, fun)
+
+    def _defined(self) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise ArgumentTypeError(
+                f"{self.__name__}: pass the arguments of an ad.{self._kind} function positionally (its rule has "
+                f"one cotangent per positional argument); bind options with functools.partial first"
+            )
+        if not self._defined():
+            raise CustomRuleError(
+                f"{self.__name__} is an ad.{self._kind} function whose rule is not defined yet: call "
+                f"{self.__name__}.{'defvjp(fwd, bwd)' if self._kind == 'custom_vjp' else 'defjvp(jvp)'} first"
+            )
+        leaves, treedef = optree.tree_flatten(args)
+        index = [i for i, a in enumerate(leaves) if _is_input(a)]
+        inputs = [leaves[i] for i in index]
+        backend = _library_of(inputs)
+        if backend is None:
+            return self.fun(*args)  # numpy: f's value, and what finite differences differentiate
+        hook = getattr(backend, "custom_rule", None)
+        if hook is None or not getattr(backend, "has_custom_rule", True):
+            raise CustomRuleError(
+                f"{self.__name__}: the {backend.name} backend's adapter has no custom_rule hook, so custom "
+                f"derivatives cannot be used with its arrays (see the adapter guide)"
+            )
+        rule = Rule(self, backend, args, leaves, treedef, index)
+        outputs = hook(rule)(*inputs)
+        return optree.tree_unflatten(rule.out_treedef, list(outputs))
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)  # a method: self is an argument
+
+
+class custom_vjp(_CustomFunction):
+    """``g = ad.custom_vjp(f)``, then ``g.defvjp(fwd, bwd)``: ``f`` with a reverse-mode rule
+    that every backend uses (jax's semantics).
+
+    * ``fwd(*args) -> (out, residuals)``: ``out`` is ``f(*args)``; ``residuals`` any pytree.
+    * ``bwd(residuals, ct) -> tuple``: one cotangent per positional argument of ``f``, each
+      a pytree shaped like its argument (``None`` for zero), in the caller's array library.
+
+    ``g(*args)`` can be called inside any function any backend differentiates, explicit
+    or implicit, prepared or compiled: the gradient, pullback and reverse Jacobian are the
+    rule's.  Forward mode has no rule (use :class:`custom_jvp`): it raises
+    :class:`~abstractdiff.CustomRuleError`, except on a library whose forward mode is
+    built from reverse mode (tensorflow, paddle, PyTensor), where it is the rule's too.
+    Second derivatives differentiate ``bwd`` (write it in differentiable operations).
+    Outside differentiation ``g(*args)`` is ``f(*args)``, and ``finite_differences``
+    differentiates ``f`` itself: an oracle ignores rules.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> @ad.custom_vjp
+        ... def clip_gradient(x):
+        ...     return x
+        >>> clip_gradient.defvjp(lambda x: (x, None), lambda _, ct: (ct.clip(-1, 1),))
+        >>> clip_gradient(np.ones(2))
+        array([1., 1.])
+    """
+
+    _kind = "custom_vjp"
+
+    def defvjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
+        """Give the rule: ``fwd(*args) -> (out, residuals)``, ``bwd(residuals, ct) -> tuple``."""
+        for name, rule in (("fwd", fwd), ("bwd", bwd)):
+            if not callable(rule):
+                raise ArgumentTypeError(f"{self.__name__}.defvjp: {name} must be callable, got {type(rule).__name__}")
+        self._fwd, self._bwd = fwd, bwd
+
+    def _defined(self) -> bool:
+        return self._bwd is not None
+
+
+class custom_jvp(_CustomFunction):
+    """``g = ad.custom_jvp(f)``, then ``g.defjvp(jvp)``: ``f`` with a forward-mode rule
+    (jax's semantics); ``defjvp`` works as a decorator.
+
+    * ``jvp(primals, tangents) -> (out, tangent_out)``: ``primals`` and ``tangents`` are
+      tuples like ``f``'s positional arguments; ``tangent_out`` is shaped like ``out``.
+
+    Forward mode uses the rule on every backend with forward mode.  Reverse mode uses it
+    on jax, which transposes the (linear) rule; elsewhere reverse mode raises
+    :class:`~abstractdiff.CustomRuleError` saying to use :class:`custom_vjp`: never
+    ``f``'s own derivative.  On numpy arrays ``g`` is ``f``.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> @ad.custom_jvp
+        ... def softplus(x):
+        ...     return np.logaddexp(x, 0.0)
+        >>> @softplus.defjvp
+        ... def _(primals, tangents):
+        ...     (x,), (t,) = primals, tangents
+        ...     return softplus(x), t / (1 + np.exp(-x))
+        >>> float(softplus(np.float64(0.0)))
+        0.6931471805599453
+    """
+
+    _kind = "custom_jvp"
+
+    def defjvp(self, jvp: Callable[..., Any]) -> Callable[..., Any]:
+        """Give the rule ``jvp(primals, tangents) -> (out, tangent_out)``; returns ``jvp``."""
+        if not callable(jvp):
+            raise ArgumentTypeError(f"{self.__name__}.defjvp: jvp must be callable, got {type(jvp).__name__}")
+        self._jvp = jvp
+        return jvp
+
+    def _defined(self) -> bool:
+        return self._jvp is not None
+
+
+# ----------------------------------------------------------------- stop_gradient
+class _Stopped(_CustomFunction):
+    """``ad.stop_gradient``'s rule: the identity of its inputs, with zero cotangents and zero
+    tangents (``Rule.stops_gradient``: an adapter may use the library's own operation)."""
+
+    _kind = "stop_gradient"
+
+    def __init__(self) -> None:
+        super().__init__(lambda *inputs: inputs)
+        self.__name__ = "stop_gradient"
+        self._fwd = lambda *inputs: (inputs, None)
+        self._bwd = lambda _, cts: (None,) * len(cts)
+        self._jvp = lambda primals, tangents: (primals, (None,) * len(primals))
+
+    def _defined(self) -> bool:
+        return True
+
+
+_STOPPED = _Stopped()
+
+
+def stop_gradient(x: Any) -> Any:
+    """``x``'s value with no derivative: ``ad.stop_gradient(x) -> x``, on a pytree.
+
+    Inside any operator of any exact backend, first and second order, forward and
+    reverse, the derivative through it is zero (the library's own ``stop_gradient``,
+    ``detach``...).  Outside differentiation it returns ``x``.  Under
+    ``finite_differences`` it raises :class:`~abstractdiff.CustomRuleError`: the
+    perturbed points flow through it, so it cannot be honoured.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> ad.stop_gradient({"w": np.ones(2)})["w"]
+        array([1., 1.])
+    """
+    leaves, treedef = optree.tree_flatten(x)
+    index = [i for i, a in enumerate(leaves) if _is_input(a) or isinstance(a, float)]
+    numerical = _NUMERICAL.get()
+    if numerical is not None and index:
+        raise CustomRuleError(
+            f"ad.stop_gradient cannot work under the {numerical} backend: it differentiates numerically, so the "
+            f"perturbed points flow through stop_gradient and the derivative would silently count the stopped "
+            f"path; use an exact AD backend, or compute the stopped value outside f and pass it in as an argument"
+        )
+    index = [i for i in index if not isinstance(leaves[i], float)]
+    if not index or _library_of([leaves[i] for i in index]) is None:
+        return x  # numpy, outside differentiation
+    stopped = _STOPPED(*[leaves[i] for i in index])
+    for i, a in zip(index, stopped):
+        leaves[i] = a
+    return optree.tree_unflatten(treedef, leaves)
