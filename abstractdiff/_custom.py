@@ -35,12 +35,17 @@ from ._arrays import dtype_name, shape_of
 from ._errors import ArgumentTypeError, CustomRuleError
 from ._tree import is_array, is_float_dtype
 
-__all__ = ["Rule", "current_backend", "custom_jvp", "custom_vjp", "numerical_evaluation", "stop_gradient"]
+__all__ = [
+    "Rule", "current_backend", "current_rule", "custom_jvp", "custom_vjp", "numerical_evaluation", "stop_gradient",
+]
 
 #: The name of the numerical backend evaluating ``f`` now (finite differences), or None.
 _NUMERICAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("abstractdiff_numerical", default=None)
-#: The backend whose library runs the rule being called now (for rules that call operators).
-_RUNNING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_rule_backend", default=None)
+#: The rule whose ``fwd``, ``bwd`` or ``jvp`` runs now (for rules that call operators).
+_RUNNING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_running_rule", default=None)
+#: The custom function whose ``fwd`` runs now: called there, it is its plain ``f`` (jax's
+#: idiom ``return f(x), residuals``; its rule would recurse into this ``fwd`` again).
+_FORWARDING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_forwarding", default=None)
 
 
 class numerical_evaluation:
@@ -57,9 +62,15 @@ class numerical_evaluation:
         _NUMERICAL.reset(self.token)
 
 
-def current_backend() -> Any:
-    """The backend whose library is running a rule's ``fwd``/``bwd``/``jvp`` now, or None."""
+def current_rule() -> Rule | None:
+    """The :class:`Rule` whose ``fwd``/``bwd``/``jvp`` runs now (innermost), or None."""
     return _RUNNING.get()
+
+
+def current_backend() -> Any:
+    """The backend whose library runs a rule's ``fwd``/``bwd``/``jvp`` now, or None."""
+    rule = _RUNNING.get()
+    return None if rule is None else rule.backend
 
 
 def _is_input(leaf: Any) -> bool:
@@ -112,6 +123,9 @@ class Rule:
         self.has_vjp = spec._bwd is not None
         self.has_jvp = spec._jvp is not None
         self.stops_gradient = spec._kind == "stop_gradient"
+        #: False where the adapter's library cannot take a derivative inside its backward
+        #: (paddle): rules that call operators (custom_root) do that work in the forward
+        self.nested_derivatives = True
         self._args = args
         self._leaves = leaves
         self._treedef = treedef
@@ -180,7 +194,7 @@ class Rule:
     # ------------------------------------------------- what the adapters call
     def value(self, *inputs: Any) -> tuple:
         """The outputs' float leaves at ``inputs``."""
-        token = _RUNNING.set(self.backend)
+        token = _RUNNING.set(self)
         try:
             return self._outputs(self.spec.fun(*self._rebuild(inputs)), "f")
         finally:
@@ -188,11 +202,12 @@ class Rule:
 
     def forward(self, *inputs: Any) -> tuple[tuple, Any]:
         """``(outputs, residuals)``: the user's ``fwd`` at ``inputs``."""
-        token = _RUNNING.set(self.backend)
+        token, forwarding = _RUNNING.set(self), _FORWARDING.set(self.spec)
         try:
             got = self.spec._fwd(*self._rebuild(inputs))
         finally:
             _RUNNING.reset(token)
+            _FORWARDING.reset(forwarding)
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             raise CustomRuleError(
                 f"{self.name}: fwd must return a pair (out, residuals), got {type(got).__name__}"
@@ -205,7 +220,7 @@ class Rule:
         if not self.has_vjp:
             raise self.no_vjp_error()
         ct = optree.tree_unflatten(self.out_treedef, list(cotangents))
-        token = _RUNNING.set(self.backend)
+        token = _RUNNING.set(self)
         try:
             got = self.spec._bwd(residuals, ct)
         finally:
@@ -242,7 +257,7 @@ class Rule:
         """``(outputs, output tangents)`` from the user's jvp rule, checked."""
         if not self.has_jvp:
             raise self.no_jvp_error()
-        token = _RUNNING.set(self.backend)
+        token = _RUNNING.set(self)
         try:
             got = self.spec._jvp(self._rebuild(primals), self._rebuild(tangents, constants=False))
         finally:
@@ -317,7 +332,7 @@ class _CustomFunction:
         index = [i for i, a in enumerate(leaves) if _is_input(a)]
         inputs = [leaves[i] for i in index]
         backend = _library_of(inputs)
-        if backend is None:
+        if backend is None or _FORWARDING.get() is self:
             return self.fun(*args)  # numpy: f's value, and what finite differences differentiate
         hook = getattr(backend, "custom_rule", None)
         if hook is None or not getattr(backend, "has_custom_rule", True):

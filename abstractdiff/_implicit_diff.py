@@ -20,7 +20,7 @@ import numpy as np
 import optree
 
 from ._arrays import ar, shape_of
-from ._custom import current_backend, custom_vjp
+from ._custom import current_backend, current_rule, custom_vjp
 from ._errors import ArgumentTypeError, CustomRuleError, InvalidArgumentError
 
 __all__ = ["bicgstab", "custom_fixed_point", "custom_root", "dense_solve"]
@@ -35,8 +35,9 @@ def _dot(a: Any, b: Any) -> Any:
 
 def _concrete(a: Any) -> float | None:
     """``a``'s value as a float, or None where it is traced (under jit, in a graph)."""
+    backend = current_backend()
     try:
-        return float(a)
+        return float(backend.to_numpy(a) if backend is not None else a)
     except Exception:  # each library's own error for a traced value
         return None
 
@@ -165,23 +166,51 @@ class _ImplicitSolver:
 
     def _forward(self, init: Any, *theta: Any) -> tuple[Any, Any]:
         x = self.solver(init, *theta)
-        return x, (x, theta)
+        rule = current_rule()
+        if rule is not None and not rule.nested_derivatives:
+            return x, (x, theta, self._linearised(rule.backend, x, theta))
+        return x, (x, theta, None)
+
+    def _linearised(self, backend: Any, x: Any, theta: tuple) -> tuple[Any, list]:
+        """``dF/dx`` as a dense matrix and the rows of ``dF/dtheta``, taken in the forward for a
+        library that cannot take a derivative inside its backward (the backward then only
+        solves): one pullback per element of ``x``."""
+        from ._operators import pullback
+
+        vjp = pullback(backend, self._residual, (x, theta))
+        flat = _Flat(x)
+        n = sum(flat.sizes)
+        eye = ar().do("eye", n, dtype=ar().get_dtype_name(flat.leaves[0]), like=flat.leaves[0])
+        rows = [vjp(flat.unravel(eye[i])) for i in range(n)]  # (dF_i/dx, dF_i/dtheta)
+        jx = ar().do("stack", [flat.ravel(r[0]) for r in rows])
+        return jx, [r[1] for r in rows]
 
     def _backward(self, residuals: Any, ct: Any) -> tuple:
         from ._operators import pullback
 
-        x, theta = residuals
-        backend = current_backend()
-        vjp = pullback(backend, self._residual, (x, theta))
+        x, theta, linearised = residuals
         flat = _Flat(x)
         b = flat.ravel(ct)
+        if linearised is None:
+            vjp = pullback(current_backend(), self._residual, (x, theta))
 
-        def matvec(u: Any) -> Any:  # (dF/dx)^T u
-            return flat.ravel(vjp(flat.unravel(u))[0])
+            def matvec(u: Any) -> Any:  # (dF/dx)^T u
+                return flat.ravel(vjp(flat.unravel(u))[0])
 
-        u = self.solve(matvec, b)
-        self._check_solution(matvec, u, b)
-        theta_ct = vjp(flat.unravel(u))[1]
+            u = self.solve(matvec, b)
+            self._check_solution(matvec, u, b)
+            theta_ct = vjp(flat.unravel(u))[1]
+        else:
+            jx, theta_rows = linearised
+            jxt = ar().do("transpose", jx)
+
+            def matvec(u: Any) -> Any:
+                return ar().do("tensordot", jxt, u, axes=1)
+
+            u = self.solve(matvec, b)
+            self._check_solution(matvec, u, b)
+            theta_ct = optree.tree_map(
+                lambda *leaves: ar().do("tensordot", u, ar().do("stack", leaves), axes=1), *theta_rows)
         negated = optree.tree_map(lambda a: -a, theta_ct)
         return (None, *negated)
 

@@ -250,6 +250,9 @@ class Adapter:
         ``rule.forward`` with recording on, where the library's forward does not record),
         or raise ``rule.second_order_error(library)``: never a silently zero one.
 
+        An adapter whose library cannot take a derivative inside its backward sets
+        ``rule.nested_derivatives = False`` (before running the rule): the core's implicit
+        differentiation then takes its derivatives in the forward instead.
         ``rule.stops_gradient`` marks ``ad.stop_gradient``'s rule (the identity, with zero
         derivatives): an adapter may return the library's own operation for it instead
         (``lax.stop_gradient``, ``detach``), applied to each input.

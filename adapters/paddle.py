@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import optree
 
+from abstractdiff import _errors
 from abstractdiff._arrays import bfloat16_numpy, check_scalar, size_of
 from abstractdiff._errors import ArgumentTypeError, CompositionError, ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
@@ -81,9 +82,8 @@ def _import_paddle() -> types.ModuleType:
     """
     if "paddle" in sys.modules:
         return sys.modules["paddle"]
-    deep_bind = "tensorflow" in sys.modules and hasattr(os, "RTLD_DEEPBIND")
     old = sys.getdlopenflags()
-    if deep_bind:
+    if "tensorflow" in sys.modules and hasattr(os, "RTLD_DEEPBIND"):
         sys.setdlopenflags(old | os.RTLD_DEEPBIND)
     try:
         with warnings.catch_warnings():
@@ -91,8 +91,7 @@ def _import_paddle() -> types.ModuleType:
             warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
             import paddle
     finally:
-        if deep_bind:
-            sys.setdlopenflags(old)
+        sys.setdlopenflags(old)  # unchanged where the flag was not set
     return paddle
 
 
@@ -194,6 +193,10 @@ def _grad(ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool
     """
     if all([y.stop_gradient for y in ys]):  # nothing differentiable reaches ys
         return [None] * len(inputs)
+    if getattr(_refused, "depth", 0):  # paddle 3.3 crashes the process on paddle.grad in a PyLayer's backward
+        raise _errors.CustomRuleError("the paddle backend cannot take a derivative inside a custom rule's "
+                                      "backward (paddle.grad there crashes paddle 3.3): a second derivative "
+                                      "through ad.custom_root, or a bwd that calls an operator")
     keep = retain_graph or create_graph
     with _GRAD_LOCK:
         if not hidden:
@@ -215,12 +218,11 @@ def _check_not_traced(*groups: list) -> None:
     leave it broken, and paddle 3.3 then aborts the process when it destroys the program.
     """
     if any(isinstance(a, paddle.pir.Value) for group in groups for a in group):
-        raise ModeMismatchError(
-            "paddle backend: an abstractdiff operator was called on symbolic values, inside a function that "
-            "paddle.jit.to_static is converting (compile=True, or your own to_static); the paddle backend "
-            "differentiates in dynamic mode: call the operator outside the converted function, or use "
-            "ad.backend('paddle') (compile=False) for functions that call abstractdiff operators"
-        )
+        raise ModeMismatchError("paddle backend: an abstractdiff operator was called on symbolic values, inside a "
+                                "function that paddle.jit.to_static is converting (compile=True, or your own "
+                                "to_static); the paddle backend differentiates in dynamic mode: call the operator "
+                                "outside the converted function, or use ad.backend('paddle') (compile=False) for "
+                                "functions that call abstractdiff operators")
 
 
 class _Frames(threading.local):
@@ -249,9 +251,7 @@ class _Recorded:
 
     def outputs(self) -> tuple[Any, Any]:
         """``(y, aux)`` as the operator returns them: in the outer graph when nested, else plain values."""
-        if self.nested:
-            return self.y, self.aux
-        return self.y.detach(), (None if self.aux is None else _detached(self.aux))
+        return (self.y, self.aux) if self.nested else (self.y.detach(), _detached(self.aux))  # None stays None
 
     @_operator  # once, here: a closure decorated per call would cost each pullback more than its checks
     def pullback(self, dy: Any) -> list:
@@ -291,20 +291,15 @@ class _Variables:
     def check_variable(self, v: Any, where: str) -> None:
         # stop_gradient first: an integer tensor cannot be differentiated, so it is data
         if v.stop_gradient:
-            raise ModeMismatchError(
-                f"{where} is a paddle tensor with stop_gradient=True (frozen, or data); set "
-                f"stop_gradient = False on it (or create it with ad.variables(tree, 'paddle'))"
-            )
+            raise ModeMismatchError(f"{where} is a paddle tensor with stop_gradient=True (frozen, or data); set "
+                                    f"stop_gradient = False on it (or create it with ad.variables(tree, 'paddle'))")
         if not v.is_leaf:
-            raise ModeMismatchError(
-                f"{where} is a paddle tensor computed from other tensors (not a leaf); parameters must "
-                f"be leaf tensors: use the tensors it was computed from, or a detached copy with "
-                f"stop_gradient = False"
-            )
+            raise ModeMismatchError(f"{where} is a paddle tensor computed from other tensors (not a leaf); parameters "
+                                    f"must be leaf tensors: use the tensors it was computed from, or a detached copy "
+                                    f"with stop_gradient = False")
         if not v.is_floating_point():
-            raise NonDifferentiableInputError(
-                f"{where} is a paddle tensor of dtype {v.dtype}; only float tensors can be parameters"
-            )
+            raise NonDifferentiableInputError(f"{where} is a paddle tensor of dtype {v.dtype}; only float tensors can "
+                                              f"be parameters")
 
     def model_variables(self, obj: Any) -> tuple[list, int] | None:
         if not isinstance(obj, paddle.nn.Layer):
@@ -331,9 +326,8 @@ class _Variables:
 
     @_dynamic
     def new_variable(self, value: Any) -> Any:
-        return paddle.create_parameter(
-            list(value.shape), value.dtype, default_initializer=paddle.nn.initializer.Assign(value.detach())
-        )
+        return paddle.create_parameter(list(value.shape), value.dtype,
+                                       default_initializer=paddle.nn.initializer.Assign(value.detach()))
 
     @_operator
     def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
@@ -501,8 +495,7 @@ class PaddleAdapter(Adapter):
         finally:
             _frames.stack.pop()
         if nested and outer is not None:  # our leaves are hidden from the operator we run inside
-            outer += leaves
-            outer += hidden
+            outer += [*leaves, *hidden]
         return _Recorded(self._tensor(y), aux, leaves, nested, hidden)
 
     # ------------------------------------------------------------- compilation
@@ -520,11 +513,9 @@ class PaddleAdapter(Adapter):
                 a.dtype == paddle.float64 for a in (*xs, *data) if isinstance(a, paddle.Tensor)):
             return fn
         store = fn.artefacts(self.backend, "paddle.jit.to_static")
-        forward = store.peek("forward")
-        if forward is not None:
+        if (forward := store.peek("forward")) is not None:
             return forward
-        converted = self._static(fn.f)
-        if converted is None:  # not a plain function or method: runs eagerly
+        if (converted := self._static(fn.f)) is None:  # not a plain function or method: runs eagerly
             store.put("forward", fn)
             return fn
         static, call = converted
@@ -543,12 +534,8 @@ class PaddleAdapter(Adapter):
                 out = fn(xs, data)
                 # paddle puts the original error last, after the transformed code
                 lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-                warnings.warn(
-                    f"paddle.jit.to_static could not convert {fn!r} ({type(err).__name__}: "
-                    f"{lines[-1] if lines else ''}); running it eagerly from now on",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                warnings.warn(f"paddle.jit.to_static could not convert {fn!r} ({type(err).__name__}: "
+                              f"{lines[-1] if lines else ''}); running it eagerly from now on", RuntimeWarning, 2)
                 store.put("forward", fn)
                 return out
             self.trace_count += static.get_traced_count() - before
@@ -578,13 +565,8 @@ class PaddleAdapter(Adapter):
         return static, lambda *args: static(owner_ref(), *args)
 
     # ------------------------------------------------------------- composition
-    def custom_function(
-        self,
-        value: Callable[..., np.ndarray],
-        vjps: Sequence[Callable[..., Any]],
-        jvps: Sequence[Callable[..., Any]],
-        out: tuple[int, str],
-    ) -> Callable[..., Any]:
+    def custom_function(self, value: Callable[..., np.ndarray], vjps: Sequence[Callable[..., Any]],
+                        jvps: Sequence[Callable[..., Any]], out: tuple[int, str]) -> Callable[..., Any]:
         # paddle differentiates only through vjps: its forward mode here is the double-vjp
         # trick, the derivative of a pullback in its cotangent, so the jvps go unused.  One
         # PyLayer per differentiable input (see _Part), summed: the first gives the value.
@@ -597,6 +579,30 @@ class PaddleAdapter(Adapter):
             return y
 
         return function
+
+    def custom_rule(self, rule: Any) -> Callable[..., tuple]:
+        # One PyLayer of one tensor, the differentiated inputs packed (see _Rule).  Symbolic values
+        # (a to_static trace) take paddle's static PyLayer, bound to a context as to_static binds
+        # one, without rewriting _Rule's source.  ad.stop_gradient's rule is paddle's detach.
+        if rule.stops_gradient:
+            return lambda *inputs: tuple(a.detach() if isinstance(a, _ARRAYS) else a for a in inputs)
+
+        rule.nested_derivatives = False  # paddle.grad in a PyLayer's backward crashes (see _grad)
+
+        def h(*inputs: Any) -> tuple:
+            traced = any(isinstance(t, paddle.pir.Value) for t in inputs)
+            flags = [isinstance(t, _ARRAYS) and not t.stop_gradient for t in inputs]
+            if not any(flags) or not (traced or paddle.is_grad_enabled()):  # nothing to differentiate
+                return tuple(rule.value(*inputs))
+            diff, consts = [t for t, d in zip(inputs, flags) if d], [t for t, d in zip(inputs, flags) if not d]
+            layout = [([int(n) for n in t.shape], t.dtype) if d else None for t, d in zip(inputs, flags)]
+            args = [_pack(diff, _widest(diff)), rule, layout, lambda: consts]  # consts: not PyLayer inputs
+            ctx = paddle.jit.dy2static.py_layer.StaticPyLayerContext() if traced else None
+            out = paddle.static.nn.static_pylayer(functools.partial(_Rule.forward, ctx), args, functools.partial(
+                _Rule.backward, ctx)) if traced else _Rule.apply(*args)
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+        return h
 
     # ------------------------------------------------------------ reverse mode
     @_operator
@@ -662,8 +668,7 @@ class PaddleAdapter(Adapter):
 
         def transposed() -> tuple[Any, list]:
             if "vjps" not in state:
-                u = paddle.zeros_like(y)  # any value: J^T u is linear in u
-                u.stop_gradient = False
+                u = _fresh(paddle.zeros_like(y))  # any value: J^T u is linear in u
                 state["u"], state["vjps"] = u, rec.grad([y], rec.leaves, [u], create_graph=True)
             return state["u"], state["vjps"]
 
@@ -773,13 +778,30 @@ class PaddleAdapter(Adapter):
 _refused = threading.local()
 
 
-def _refusal(err: BaseException) -> CompositionError | None:
-    """The CompositionError a custom function's backward raised, if paddle's ``err`` reports it."""
+def _refusal(err: BaseException) -> _errors.AbstractDiffError | None:
+    """The error a custom function's or rule's backward raised, if paddle's ``err`` reports it."""
     refused = getattr(_refused, "error", None)
     if refused is None or str(refused).splitlines()[0] not in str(err):
         return None
     _refused.error = None
     return refused
+
+
+def _keeping_errors(backward: Callable) -> staticmethod:
+    """A PyLayer's backward whose AbstractDiffError reaches the operator as itself (see _refusal)."""
+
+    @functools.wraps(backward)
+    def keeping(ctx: Any, *args: Any) -> Any:
+        _refused.depth = getattr(_refused, "depth", 0) + 1  # in a backward: see _grad
+        try:
+            return backward(ctx, *args)
+        except _errors.AbstractDiffError as err:
+            _refused.error = err
+            raise
+        finally:
+            _refused.depth -= 1
+
+    return staticmethod(keeping)
 
 
 class _Part(paddle.autograd.PyLayer):
@@ -796,14 +818,83 @@ class _Part(paddle.autograd.PyLayer):
     def forward(ctx: Any, t: Any, rule: Callable[..., Any], inputs_of: Callable[[], tuple],
                 value: Callable[..., np.ndarray] | None, out: tuple[int, str]) -> Any:
         ctx.rule, ctx.inputs_of = rule, inputs_of
-        size, dtype = out
-        y = np.zeros(size, dtype) if value is None else value(*(a.detach().numpy() for a in inputs_of()))
-        return paddle.to_tensor(y, dtype=dtype, place=t.place)
+        y = np.zeros(*out) if value is None else value(*(a.detach().numpy() for a in inputs_of()))
+        return paddle.to_tensor(y, dtype=out[1], place=t.place)
+
+    @_keeping_errors
+    def backward(ctx: Any, cotangent: Any) -> Any:
+        return ctx.rule(cotangent, *ctx.inputs_of())
+
+
+def _pack(ts: Sequence, dtype: Any) -> Any:
+    """The tensors ``ts`` flattened, cast to ``dtype`` and joined: one tensor."""
+    flat = [paddle.cast(t, dtype).reshape([-1]) for t in ts]
+    return flat[0] if len(flat) == 1 else paddle.concat(flat)
+
+
+def _unpack(packed: Any, consts: Sequence, layout: list) -> list:
+    """The inputs: ``consts`` in turn where ``layout`` has None, else its ``(shape, dtype)`` from ``packed``."""
+    out, consts, start = [], iter(consts), 0
+    for at in layout:
+        size = 0 if at is None else int(np.prod(at[0]))
+        out.append(next(consts) if at is None else paddle.cast(packed[start:start + size].reshape(at[0]), at[1]))
+        start += size
+    return out
+
+
+def _widest(tensors: Sequence) -> Any:
+    return max((t.dtype for t in tensors), key=lambda d: paddle.finfo(d).bits)
+
+
+class _Rule(paddle.autograd.PyLayer):
+    """A custom rule (the custom_rule hook) of its differentiated inputs ``packed`` in one tensor
+    and its constants ``consts_of()``, placed by ``layout`` (:func:`_unpack`).
+
+    paddle wants None from a PyLayer's backward for each input that paddle.grad prunes, which
+    the backward cannot know; with one input, a pruned PyLayer is not run at all.  When a graph
+    is being built (``create_graph=True``; a program's backward) the backward runs
+    ``rule.forward`` again, recorded, for residuals connected to the inputs: the forward ran
+    unrecorded, and a program's backward sees only the values saved for it.  A custom_jvp
+    rule's backward of a zero cotangent (the double-vjp trick's) is :class:`_Tangents`.
+    """
 
     @staticmethod
-    def backward(ctx: Any, cotangent: Any) -> Any:
-        try:
-            return ctx.rule(cotangent, *ctx.inputs_of())
-        except CompositionError as err:
-            _refused.error = err
-            raise
+    def forward(ctx: Any, packed: Any, rule: Any, layout: list, consts_of: Callable[[], list]) -> tuple:
+        ctx.rule, ctx.layout, consts = rule, layout, consts_of()
+        ctx.save_for_backward(packed, *consts)
+        inputs = _unpack(packed, consts, layout)
+        vjp = rule.has_vjp and paddle.in_dynamic_mode()  # residuals of values: not in a program
+        outputs, ctx.residuals = rule.forward(*inputs) if vjp else (rule.value(*inputs), None)
+        ctx.outputs = [([int(d) for d in y.shape], y.dtype) for y in outputs]
+        return tuple(outputs)
+
+    @_keeping_errors
+    def backward(ctx: Any, *cotangents: Any) -> Any:
+        (packed, *consts), rule, layout = ctx.saved_tensor(), ctx.rule, ctx.layout
+        # a program's backward gives None for an output nobody differentiated
+        cts = tuple(paddle.zeros(s, d) if c is None else c for c, (s, d) in zip(cotangents, ctx.outputs))
+        if rule.has_vjp:
+            again = not paddle.in_dynamic_mode() or paddle.is_grad_enabled()
+            grads = rule.backward(rule.forward(*_unpack(packed, consts, layout))[1] if again else ctx.residuals, cts)
+            return _pack([g for g, at in zip(grads, layout) if at is not None], packed.dtype)
+        if paddle.in_dynamic_mode() and not any(bool(paddle.any(c != 0)) for c in cts):
+            return _Tangents.apply(_pack(cts, _widest(cts)), rule, layout, lambda: (packed, consts))
+        raise rule.no_vjp_error()
+
+
+class _Tangents(paddle.autograd.PyLayer):
+    """A custom_jvp rule's backward at a zero cotangent ``ct``: zeros (``J^T 0``), whose own
+    backward, ``t -> J t``, is the rule's jvp.  So the double-vjp trick (forward mode) through
+    the rule gives its jvp, and reverse over that differentiates the jvp."""
+
+    @staticmethod
+    def forward(ctx: Any, ct: Any, rule: Any, layout: list, primals_of: Callable[[], tuple]) -> Any:
+        ctx.args = rule, layout, primals_of, ct.dtype
+        return paddle.zeros_like(primals_of()[0])
+
+    @_keeping_errors
+    def backward(ctx: Any, packed_tangent: Any) -> Any:
+        rule, layout, primals_of, dtype = ctx.args
+        packed, consts = primals_of()
+        tangents = _unpack(packed_tangent, [paddle.zeros_like(t) for t in consts], layout)
+        return _pack(rule.jvp(tuple(_unpack(packed, consts, layout)), tuple(tangents))[1], dtype)

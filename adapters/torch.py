@@ -454,7 +454,9 @@ class TorchAdapter(Adapter):
         if _in_graph(xs, data):
             # view_as keeps the outer graph and gives each input its own node, so that the
             # same tensor passed twice gets two partial derivatives.
-            return [x.view_as(x) if x.requires_grad else x.detach().requires_grad_() for x in xs], True
+            # (a tensor of a torch.func level that has ended says requires_grad, but its view has no graph)
+            views = [x.view_as(x) if x.requires_grad else x for x in xs]
+            return [v if v.requires_grad else v.detach().requires_grad_() for v in views], True
         # detach() makes a new tensor object: the caller's tensor, its requires_grad and its
         # .grad are never touched.
         return [x.detach().requires_grad_() for x in xs], False
@@ -467,8 +469,8 @@ class TorchAdapter(Adapter):
             y, aux, vjp_fn = self._func_vjp(fn, xs, data)
             return y, aux, lambda dy: list(vjp_fn(dy))
 
-        leaves, nested = self._leaves(xs, data)
-        with torch.enable_grad():
+        with torch.enable_grad():  # the leaves too: a view made without grad mode (in a backward) has no graph
+            leaves, nested = self._leaves(xs, data)
             y, aux = self._forward(fn)(leaves, data)
         y = self._tensor(y)
 
@@ -773,10 +775,12 @@ class _Rule(torch.autograd.Function):
 
     @staticmethod
     def forward(rule: Any, *inputs: torch.Tensor) -> tuple:
-        if not rule.has_vjp:
-            return rule.value(*inputs)
-        outputs, rule.residuals = rule.forward(*inputs)  # the rule is this call's own: setup_context takes them
-        return outputs
+        if rule.has_vjp:
+            outputs, rule.residuals = rule.forward(*inputs)  # the rule is this call's own: setup_context takes them
+        else:
+            outputs = rule.value(*inputs)
+        # an input returned as it is must be a view of it for torch (the identity of a clipped gradient)
+        return tuple(o.view_as(o) if any(o is x for x in inputs) else o for o in outputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
