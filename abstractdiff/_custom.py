@@ -161,9 +161,9 @@ class Rule:
             )
         return tuple(leaves)
 
-    def _checked(self, given: Any, like: list, what: str, per: str) -> tuple:
+    def _checked(self, given: Any, like: list, what: str, where: Callable[[int], str]) -> tuple:
         """``given`` (one value per leaf of ``like``'s pytree, None meaning zero) checked
-        against ``like``, with zeros filled in."""
+        against ``like``, with zeros filled in; ``where(k)`` names leaf ``k`` for messages."""
         out = []
         for k, (g, a) in enumerate(zip(given, like)):
             if not _is_input(a):
@@ -174,18 +174,18 @@ class Rule:
                 continue
             if not is_array(g):
                 raise CustomRuleError(
-                    f"{self.name}: {what} {per} leaf {k} is {_describe(g)}, not an array; return an array shaped "
+                    f"{self.name}: {what} {where(k)} is {_describe(g)}, not an array; return an array shaped "
                     f"like that leaf ({_describe(a)}), or None for zero"
                 )
             shape, want = _static_shape(g), _static_shape(a)
             if shape is not None and want is not None and shape != want:
                 raise CustomRuleError(
-                    f"{self.name}: {what} {per} leaf {k} has shape {shape}, but that leaf has shape {want}; "
+                    f"{self.name}: {what} {where(k)} has shape {shape}, but that leaf has shape {want}; "
                     f"each cotangent or tangent is shaped like its primal (reduce a broadcast one with sum)"
                 )
             if dtype_name(g) != dtype_name(a):
                 raise CustomRuleError(
-                    f"{self.name}: {what} {per} leaf {k} has dtype {dtype_name(g)}, but that leaf has dtype "
+                    f"{self.name}: {what} {where(k)} has dtype {dtype_name(g)}, but that leaf has dtype "
                     f"{dtype_name(a)}; cast it (a float32 input takes a float32 cotangent)"
                 )
             out.append(g)
@@ -237,8 +237,10 @@ class Rule:
                 f"argument{'s' if n != 1 else ''}: return one per argument (None for an argument with none)"
             )
         flat: list = []
+        owner: list[tuple[int, int, int]] = []  # per leaf: (argument, leaf of it, leaves of it)
         for i, (g, arg) in enumerate(zip(got, self._args)):
             arg_leaves, arg_def = optree.tree_flatten(arg)
+            owner.extend((i, j, len(arg_leaves)) for j in range(len(arg_leaves)))
             if g is None:
                 flat.extend([None] * len(arg_leaves))
                 continue
@@ -250,7 +252,11 @@ class Rule:
                     f"{arg_def}: {err}"
                 ) from None
             flat.extend(given)
-        checked = self._checked(flat, self._leaves, "bwd's cotangent", "for argument")
+        def where(k: int) -> str:
+            i, j, n = owner[k]
+            return f"for argument {i}" + (f" (its leaf {j})" if n > 1 else "")
+
+        checked = self._checked(flat, self._leaves, "bwd's cotangent", where)
         return tuple(checked[i] for i in self._index)
 
     def jvp(self, primals: tuple, tangents: tuple) -> tuple[tuple, tuple]:
@@ -274,7 +280,7 @@ class Rule:
                 f"{self.name}: the jvp rule's tangent_out does not have the output's structure "
                 f"{self.out_treedef}: {err}"
             ) from None
-        return out, self._checked(given, list(out), "the jvp rule's tangent_out", "for output")
+        return out, self._checked(given, list(out), "the jvp rule's tangent_out", lambda k: f"for output leaf {k}")
 
     # ------------------------------------------------------------ refusals
     def no_vjp_error(self) -> CustomRuleError:

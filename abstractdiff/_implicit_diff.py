@@ -21,11 +21,14 @@ import optree
 
 from ._arrays import ar, shape_of
 from ._custom import current_backend, current_rule, custom_vjp
-from ._errors import ArgumentTypeError, CustomRuleError, InvalidArgumentError
+from ._errors import AbstractDiffError, ArgumentTypeError, CustomRuleError, InvalidArgumentError
 
 __all__ = ["bicgstab", "custom_fixed_point", "custom_root", "dense_solve"]
 
 LinearSolve = Callable[[Callable[[Any], Any], Any], Any]
+#: How the libraries' dense solves word a singular matrix (numpy's and torch's LinAlgError,
+#: tensorflow's "not invertible", paddle's and MLX's "singular").
+_SINGULAR_WORDS = ("linalgerror", "singular", "invertible")
 
 
 # ------------------------------------------------------------------ the linear solvers
@@ -42,45 +45,51 @@ def _concrete(a: Any) -> float | None:
         return None
 
 
+def _safe_div(a: Any, b: Any) -> Any:
+    """``a / b``, and 0 where ``b`` is 0 (BiCGSTAB's scalars once it has converged, under a trace)."""
+    # abs(b) > 0 rather than b == 0: PyTensor's == compares variables, not values
+    return a / ar().do("where", ar().do("abs", b) > 0, b, b * 0 + 1)
+
+
 def bicgstab(matvec: Callable[[Any], Any], b: Any, *, tol: float | None = None, maxiter: int | None = None) -> Any:
     """``x`` with ``matvec(x) = b`` (1-D arrays of any library): BiCGSTAB, matrix-free.
 
     The default linear solver of :func:`custom_root`: it needs only products with the
     matrix (there, the backend's pullback of the optimality function), no transpose.  On
     concrete arrays it stops once ``|matvec(x) - b| <= tol |b|``; under a trace (jit) it
-    runs ``maxiter`` iterations (default: twice the size, at most 200).
+    runs ``maxiter`` iterations (default: twice the size plus two, at most 200), its
+    scalars guarded against the zeros of a converged iteration.
     """
     n = shape_of(b)[0]
     maxiter = maxiter if maxiter is not None else min(2 * n + 2, 200)
-    eps = float(np.finfo(np.dtype(ar().get_dtype_name(b))).eps) if ar().get_dtype_name(b) != "bfloat16" else 1e-2
-    tol = tol if tol is not None else max(eps * 100, 1e-14)
-    x = b * 0
-    r = b
-    r0 = r
-    rho = alpha = omega = 1.0
-    v = p = b * 0
-    bnorm = _concrete(_dot(b, b))
+    name = ar().get_dtype_name(b)
+    tol = tol if tol is not None else max(float(np.finfo(np.dtype("float32" if name == "bfloat16" else name)).eps)
+                                          * 100, 1e-14)
+    bb = _dot(b, b)
+    bnorm = _concrete(bb)
     if bnorm == 0.0:
-        return x
+        return b * 0
+    done = (lambda a: _concrete(a) <= tol * tol * bnorm) if bnorm is not None else (lambda a: False)  # noqa: E731
+    x, r, r0 = b * 0, b, b
+    one = bb * 0 + 1
+    rho = alpha = omega = one
+    v = p = b * 0
     for _ in range(maxiter):
         rho_new = _dot(r0, r)
-        beta = (rho_new / rho) * (alpha / omega)
-        p = r + beta * (p - omega * v)
+        p = r + _safe_div(rho_new, rho) * _safe_div(alpha, omega) * (p - omega * v)
         v = matvec(p)
-        alpha = rho_new / _dot(r0, v)
+        alpha = _safe_div(rho_new, _dot(r0, v))
+        x = x + alpha * p
         s = r - alpha * v
+        if done(_dot(s, s)):
+            break
         t = matvec(s)
-        tt = _dot(t, t)
-        omega = _dot(t, s) / tt
-        x = x + alpha * p + omega * s
+        omega = _safe_div(_dot(t, s), _dot(t, t))
+        x = x + omega * s
         r = s - omega * t
         rho = rho_new
-        if bnorm is not None:
-            rr = _concrete(_dot(r, r))
-            if rr is None or not math.isfinite(rr) or rr <= tol * tol * bnorm:
-                break
-            if _concrete(tt) == 0.0:
-                break
+        if done(_dot(r, r)):
+            break
     return x
 
 
@@ -197,8 +206,7 @@ class _ImplicitSolver:
             def matvec(u: Any) -> Any:  # (dF/dx)^T u
                 return flat.ravel(vjp(flat.unravel(u))[0])
 
-            u = self.solve(matvec, b)
-            self._check_solution(matvec, u, b)
+            u, poison = self._linear_solution(matvec, b)
             theta_ct = vjp(flat.unravel(u))[1]
         else:
             jx, theta_rows = linearised
@@ -207,35 +215,50 @@ class _ImplicitSolver:
             def matvec(u: Any) -> Any:
                 return ar().do("tensordot", jxt, u, axes=1)
 
-            u = self.solve(matvec, b)
-            self._check_solution(matvec, u, b)
+            u, poison = self._linear_solution(matvec, b)
             theta_ct = optree.tree_map(
                 lambda *leaves: ar().do("tensordot", u, ar().do("stack", leaves), axes=1), *theta_rows)
-        negated = optree.tree_map(lambda a: -a, theta_ct)
+        negated = optree.tree_map(lambda a: -a if poison is None else poison - a, theta_ct)
         return (None, *negated)
 
-    def _check_solution(self, matvec: Callable[[Any], Any], u: Any, b: Any) -> None:
-        """A singular (or badly conditioned) ``dF/dx`` at ``x*``: a clear error, not ``nan``
-        (on concrete arrays; under a trace the values are not known)."""
-        unorm = _concrete(_dot(u, u))
-        if unorm is None:
-            return
-        bnorm = _concrete(_dot(b, b))
+    def _linear_solution(self, matvec: Callable[[Any], Any], b: Any) -> tuple[Any, Any]:
+        """``u`` with ``matvec(u) = b``, by the chosen solver, checked (:meth:`_check_solution`)."""
+        try:
+            u = self.solve(matvec, b)
+        except Exception as err:  # a dense solve of a singular matrix: each library's own error
+            text = f"{type(err).__name__}: {err}"
+            if isinstance(err, AbstractDiffError) or not any(w in text.lower() for w in _SINGULAR_WORDS):
+                raise
+            raise self._singular(f"the linear solve raised {text}") from err
+        return self._check_solution(matvec, u, b)
+
+    def _singular(self, detail: str) -> CustomRuleError:
+        return CustomRuleError(
+            f"{self.what}: the Jacobian of the optimality function with respect to x, dF/dx at the solution, "
+            f"is singular or too badly conditioned for the implicit function theorem ({detail}): x* does not "
+            f"depend smoothly on theta there. Check that optimality_fn(x*, *theta) == 0 determines x* uniquely "
+            f"(a regularised objective), or pass solve='dense' or a solver of your own"
+        )
+
+    def _check_solution(self, matvec: Callable[[Any], Any], u: Any, b: Any) -> tuple[Any, Any]:
+        """``(u, poison)``, checked: a singular (or badly conditioned) ``dF/dx`` at ``x*`` is a
+        clear error on concrete arrays, never a silently wrong derivative.  Under a trace (jit,
+        a graph) the values are not known here, so ``poison`` is a scalar that is ``nan`` where
+        the solution does not solve the system (else 0), for the backward to add to its
+        cotangents: the caller sees ``nan``.  On concrete arrays it is None."""
+        name = ar().get_dtype_name(b)
+        loose = max(float(np.finfo(np.dtype("float32" if name == "bfloat16" else name)).eps) ** 0.5, 1e-6)
         r = matvec(u) - b
-        rnorm = _concrete(_dot(r, r))
-        if bnorm is None or rnorm is None:
-            return
-        dtype = np.dtype(ar().get_dtype_name(b)) if ar().get_dtype_name(b) != "bfloat16" else np.dtype("float32")
-        loose = max(float(np.finfo(dtype).eps) ** 0.5, 1e-6)
-        if not (math.isfinite(unorm) and math.isfinite(rnorm)) or math.sqrt(rnorm) > loose * max(math.sqrt(bnorm),
-                                                                                                   1e-300):
-            raise CustomRuleError(
-                f"{self.what}: the Jacobian of the optimality function with respect to x, dF/dx at the solution, "
-                f"is singular or too badly conditioned for the implicit function theorem (the linear solve left a "
-                f"relative residual of {math.sqrt(rnorm) / max(math.sqrt(bnorm), 1e-300):.3g}): x* does not depend "
-                f"smoothly on theta there. Check that optimality_fn(x*, *theta) == 0 determines x* uniquely (a "
-                f"regularised objective), or pass solve='dense' or a solver of your own"
-            )
+        rr, bb = _dot(r, r), _dot(b, b)
+        rnorm, bnorm = _concrete(rr), _concrete(bb)
+        if rnorm is None or bnorm is None:
+            # rr <= bound is false where rr is nan too; added, not multiplied: a graph library
+            # may simplify 0 * nan to 0 (PyTensor does), which would hide it again
+            return u, ar().do("where", rr <= loose * loose * bb, bb * 0, bb * np.nan)
+        relative = math.sqrt(rnorm) / max(math.sqrt(bnorm), 1e-300)
+        if not math.isfinite(relative) or relative > loose:
+            raise self._singular(f"the linear solve left a relative residual of {relative:.3g}")
+        return u, None
 
 
 def custom_root(optimality_fn: Callable[..., Any], solve: str | LinearSolve | None = None

@@ -66,7 +66,7 @@ from abstractdiff._arrays import bfloat16_numpy, check_scalar, size_of
 from abstractdiff._errors import ArgumentTypeError, CompositionError, ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
 from abstractdiff.portable.paddle import MISSING_INPUT_GRADIENT, _arrays, _fresh, _needs_grad, explained
-from abstractdiff.protocol import Adapter
+from abstractdiff.protocol import Adapter, FlatFn
 
 
 def _import_paddle() -> types.ModuleType:
@@ -80,8 +80,6 @@ def _import_paddle() -> types.ModuleType:
     themselves after TensorFlow still crashes, inside paddle: import paddle first, or create
     the backend (``ad.backend("paddle")``) before importing paddle.
     """
-    if "paddle" in sys.modules:
-        return sys.modules["paddle"]
     old = sys.getdlopenflags()
     if "tensorflow" in sys.modules and hasattr(os, "RTLD_DEEPBIND"):
         sys.setdlopenflags(old | os.RTLD_DEEPBIND)
@@ -97,7 +95,6 @@ def _import_paddle() -> types.ModuleType:
 
 paddle = _import_paddle()
 
-FlatFn = Callable[[list, list], tuple]
 _ARRAYS = _arrays()
 
 # Tensors this adapter made from numpy arrays (held weakly): nobody else holds them, so
@@ -160,13 +157,11 @@ def _operator(method: Callable, dynamic: bool = True) -> Callable:
     def operator(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
-        except CompositionError:
-            raise
         except Exception as err:
-            ours = _refusal(err) or explained(err)
-            if ours is not None:
-                raise ours from err
-            raise
+            ours = None if isinstance(err, CompositionError) else _refusal(err) or explained(err)
+            if ours is None:
+                raise
+            raise ours from err
 
     return operator
 
@@ -197,32 +192,16 @@ def _grad(ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool
         raise _errors.CustomRuleError("the paddle backend cannot take a derivative inside a custom rule's "
                                       "backward (paddle.grad there crashes paddle 3.3): a second derivative "
                                       "through ad.custom_root, or a bwd that calls an operator")
-    keep = retain_graph or create_graph
     with _GRAD_LOCK:
-        if not hidden:
-            return paddle.grad(ys, inputs, dys, retain_graph=keep, create_graph=create_graph, allow_unused=True)
-        try:  # the graph is kept, for the second attempt
-            return paddle.grad(ys, inputs, dys, retain_graph=True, create_graph=create_graph, allow_unused=True)
-        except RuntimeError as err:
-            if MISSING_INPUT_GRADIENT not in str(err):
-                raise
-        grads = paddle.grad(ys, [*inputs, *hidden], dys, retain_graph=keep, create_graph=create_graph,
-                            allow_unused=True)
+        if hidden:
+            try:  # the graph is kept, for the second attempt
+                return paddle.grad(ys, inputs, dys, retain_graph=True, create_graph=create_graph, allow_unused=True)
+            except RuntimeError as err:
+                if MISSING_INPUT_GRADIENT not in str(err):
+                    raise
+        grads = paddle.grad(ys, [*inputs, *hidden], dys, retain_graph=retain_graph or create_graph,
+                            create_graph=create_graph, allow_unused=True)
     return grads[: len(inputs)]
-
-
-def _check_not_traced(*groups: list) -> None:
-    """Refuse symbolic values: an operator called inside a function paddle.jit.to_static traces.
-
-    The operators differentiate in dynamic mode; ops they would add to a program being built
-    leave it broken, and paddle 3.3 then aborts the process when it destroys the program.
-    """
-    if any(isinstance(a, paddle.pir.Value) for group in groups for a in group):
-        raise ModeMismatchError("paddle backend: an abstractdiff operator was called on symbolic values, inside a "
-                                "function that paddle.jit.to_static is converting (compile=True, or your own "
-                                "to_static); the paddle backend differentiates in dynamic mode: call the operator "
-                                "outside the converted function, or use ad.backend('paddle') (compile=False) for "
-                                "functions that call abstractdiff operators")
 
 
 class _Frames(threading.local):
@@ -231,6 +210,15 @@ class _Frames(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[list] = []
+
+    def run(self, f: Callable[..., Any], *args: Any) -> tuple[Any, list]:
+        """``f(*args)``, and the leaves of the operators nested in it."""
+        hidden: list = []
+        self.stack.append(hidden)
+        try:
+            return f(*args), hidden
+        finally:
+            self.stack.pop()
 
 
 _frames = _Frames()
@@ -245,36 +233,25 @@ class _Recorded:
     def __init__(self, y: Any, aux: Any, leaves: list, nested: bool, hidden: list):
         self.y, self.aux, self.leaves, self.nested, self.hidden = y, aux, leaves, nested, hidden
 
-    def grad(self, ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool = False,
-             create_graph: bool = False) -> list:
-        return _grad(ys, inputs, dys, retain_graph=retain_graph, create_graph=create_graph, hidden=self.hidden)
+    def grad(self, ys: list, inputs: list, dys: list | None = None, **graph: bool) -> list:
+        """:func:`_grad` with this run's hidden leaves (``graph``: retain_graph, create_graph)."""
+        return _grad(ys, inputs, dys, hidden=self.hidden, **graph)
 
     def outputs(self) -> tuple[Any, Any]:
         """``(y, aux)`` as the operator returns them: in the outer graph when nested, else plain values."""
         return (self.y, self.aux) if self.nested else (self.y.detach(), _detached(self.aux))  # None stays None
+
+    def rows(self, z: Any, create_graph: bool) -> Iterator[list]:
+        """The pullbacks of ``z`` at each one-hot cotangent in turn (the rows of its Jacobian), the graph kept."""
+        basis = paddle.eye(size_of(z), dtype=z.dtype)
+        for i in range(size_of(z)):
+            yield self.grad([z], self.leaves, [basis[i].reshape(z.shape)], retain_graph=True, create_graph=create_graph)
 
     @_operator  # once, here: a closure decorated per call would cost each pullback more than its checks
     def pullback(self, dy: Any) -> list:
         """``dy -> J^T dy``; the graph is kept: the pullback may be called again (a Jacobian row by row)."""
         with _recording():
             return self.grad([self.y], self.leaves, [dy], retain_graph=True, create_graph=self.nested)
-
-
-def _run_as_python_in_to_static() -> None:
-    """Have ``paddle.jit.to_static`` call autoray, abstractdiff and this module as they are.
-
-    to_static rewrites the source of every function ``f`` calls, and fails on autoray's
-    dispatch (a dict assignment in a try block: "'UndefinedVar' object does not support
-    item assignment"), so backend-neutral functions would never compile.  Both are plain
-    Python that must run while paddle traces; paddle's public ``ignore_module`` says so,
-    as paddle itself does for numpy, copy or inspect.  This adds to paddle's list of
-    modules it does not rewrite, which no user setting controls, and changes nothing else.
-    """
-    import autoray
-
-    import abstractdiff
-
-    paddle.jit.ignore_module([autoray, abstractdiff, sys.modules[__name__]])
 
 
 class _Variables:
@@ -387,7 +364,18 @@ class PaddleAdapter(Adapter):
         self.compile = compile
         self.reuses_traces = compile  # a compiled program freezes what f reads (see Adapter.reuses_traces)
         if compile:
-            _run_as_python_in_to_static()
+            # Have paddle.jit.to_static call autoray, abstractdiff and this module as they are.
+            # to_static rewrites the source of every function f calls, and fails on autoray's
+            # dispatch (a dict assignment in a try block: "'UndefinedVar' object does not support
+            # item assignment"), so backend-neutral functions would never compile.  Both are plain
+            # Python that must run while paddle traces; paddle's public ignore_module says so, as
+            # paddle itself does for numpy, copy or inspect.  This adds to paddle's list of
+            # modules it does not rewrite, which no user setting controls, and changes nothing else.
+            import autoray
+
+            import abstractdiff
+
+            paddle.jit.ignore_module([autoray, abstractdiff, sys.modules[__name__]])
         # the core's canonical "cpu" or "cuda:N" as paddle's place
         kind, _, index = self.device.partition(":")
         self.place = paddle.CPUPlace() if kind == "cpu" else paddle.CUDAPlace(int(index))
@@ -470,30 +458,26 @@ class PaddleAdapter(Adapter):
         0-d array the core's check_output made of it; the core refused numpy's own values."""
         return y if isinstance(y, paddle.Tensor) else self.backend.asarray(np.asarray(y))
 
-    @staticmethod
-    def _leaves(xs: list, data: list) -> tuple[list, bool]:
-        """Differentiable leaves for ``xs``, and whether we are nested in an outer derivative."""
-        nested = paddle.is_grad_enabled() and any(_needs_grad(t) for t in (*xs, *data))
-        if nested:
-            # assign keeps the outer graph and gives each input its own node, so that the
-            # same tensor passed twice gets two partial derivatives.
-            return [paddle.assign(x) if not x.stop_gradient else _fresh(x) for x in xs], True
-        return [_fresh(x) for x in xs], False
-
     def _record(self, fn: FlatFn, xs: list, data: list, compiled: bool = False) -> _Recorded:
         """``f`` run on fresh leaves for ``xs``, recording its graph (``compiled``: through
         ``to_static`` where it may, see :meth:`_forward`)."""
-        _check_not_traced(xs, data)
-        leaves, nested = self._leaves(xs, data)
+        # Symbolic values: an operator called inside a function paddle.jit.to_static traces.  The
+        # operators differentiate in dynamic mode; ops they would add to a program being built
+        # leave it broken, and paddle 3.3 then aborts the process when it destroys the program.
+        if any(isinstance(a, paddle.pir.Value) for a in (*xs, *data)):
+            raise ModeMismatchError("paddle backend: an abstractdiff operator was called on symbolic values, inside "
+                                    "a function that paddle.jit.to_static is converting (compile=True, or your own "
+                                    "to_static); the paddle backend differentiates in dynamic mode: call the "
+                                    "operator outside the converted function, or use ad.backend('paddle') "
+                                    "(compile=False) for functions that call abstractdiff operators")
+        nested = paddle.is_grad_enabled() and any(_needs_grad(t) for t in (*xs, *data))  # in an outer derivative
+        # assign keeps the outer graph and gives each input its own node, so that the same
+        # tensor passed twice gets two partial derivatives.
+        leaves = [paddle.assign(x) if nested and not x.stop_gradient else _fresh(x) for x in xs]
         forward = self._forward(fn, xs, data) if compiled and not nested else fn
         outer = _frames.stack[-1] if _frames.stack else None
-        hidden: list = []
-        _frames.stack.append(hidden)
-        try:
-            with _recording():
-                y, aux = forward(leaves, data)
-        finally:
-            _frames.stack.pop()
+        with _recording():
+            (y, aux), hidden = _frames.run(forward, leaves, data)
         if nested and outer is not None:  # our leaves are hidden from the operator we run inside
             outer += [*leaves, *hidden]
         return _Recorded(self._tensor(y), aux, leaves, nested, hidden)
@@ -513,20 +497,34 @@ class PaddleAdapter(Adapter):
                 a.dtype == paddle.float64 for a in (*xs, *data) if isinstance(a, paddle.Tensor)):
             return fn
         store = fn.artefacts(self.backend, "paddle.jit.to_static")
-        if (forward := store.peek("forward")) is not None:
-            return forward
-        if (converted := self._static(fn.f)) is None:  # not a plain function or method: runs eagerly
-            store.put("forward", fn)
+        return store.get("forward", lambda: self._compiled(fn, store))
+
+    def _compiled(self, fn: FlatFunction, store: Artefacts) -> FlatFn:
+        """``fn``'s twin calling the ``to_static`` program of ``f`` (a function or method), else ``fn``.
+
+        to_static(f) holds f strongly: kept in fn's artefacts it would keep f alive, and with
+        it the plan cache entry that is meant to die with f.  A twin function sharing f's
+        code, globals and closure converts to the same program without holding f (or, for a
+        method, its owner).  Other callables (a partial, a callable object) have no such twin:
+        they run eagerly.
+        """
+        f = fn.f
+        func, owner = (f.__func__, f.__self__) if isinstance(f, types.MethodType) else (f, None)
+        if not isinstance(func, types.FunctionType):
             return fn
-        static, call = converted
-        twin = FlatFunction(call, fn.x_treedef, fn.args_treedef, fn.template, fn.diff_index, fn.data_index,
-                            fn.n_x_leaves, fn.has_aux)
+        twin = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+        twin.__kwdefaults__ = func.__kwdefaults__
+        static = paddle.jit.to_static(twin, full_graph=True)
+        owner_ref = None if owner is None else weakref.ref(owner)
+        call = static if owner_ref is None else lambda *args: static(owner_ref(), *args)
+        program = FlatFunction(call, fn.x_treedef, fn.args_treedef, fn.template, fn.diff_index, fn.data_index,
+                               fn.n_x_leaves, fn.has_aux)
 
         def forward(xs: list, data: list, _keep: Any = call) -> tuple[Any, Any]:
             # to_static keeps one program per input signature; a new one is a trace
             before = static.get_traced_count()
             try:
-                out = twin(xs, data)
+                out = program(xs, data)
             except Exception as err:
                 # paddle converts Python source, and not every function (a lambda, a function
                 # without source, code it cannot translate): run f eagerly; an error that is
@@ -541,41 +539,24 @@ class PaddleAdapter(Adapter):
             self.trace_count += static.get_traced_count() - before
             return out
 
-        store.put("forward", forward)
         return forward
-
-    @staticmethod
-    def _static(f: Callable[..., Any]) -> tuple[Any, Callable[..., Any]] | None:
-        """``(to_static function, its call)`` for a function or method ``f``, else ``None``.
-
-        to_static(f) holds f strongly: kept in fn's artefacts it would keep f alive, and with
-        it the plan cache entry that is meant to die with f.  A twin function sharing f's
-        code, globals and closure converts to the same program without holding f (or, for a
-        method, its owner).  Other callables (a partial, a callable object) have no such twin.
-        """
-        func, owner = (f.__func__, f.__self__) if isinstance(f, types.MethodType) else (f, None)
-        if not isinstance(func, types.FunctionType):
-            return None
-        twin = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
-        twin.__kwdefaults__ = func.__kwdefaults__
-        static = paddle.jit.to_static(twin, full_graph=True)
-        if owner is None:
-            return static, static
-        owner_ref = weakref.ref(owner)
-        return static, lambda *args: static(owner_ref(), *args)
 
     # ------------------------------------------------------------- composition
     def custom_function(self, value: Callable[..., np.ndarray], vjps: Sequence[Callable[..., Any]],
                         jvps: Sequence[Callable[..., Any]], out: tuple[int, str]) -> Callable[..., Any]:
         # paddle differentiates only through vjps: its forward mode here is the double-vjp
         # trick, the derivative of a pullback in its cotangent, so the jvps go unused.  One
-        # PyLayer per differentiable input (see _Part), summed: the first gives the value.
+        # PyLayer per differentiable input (see _Closure), summed: the first gives the value,
+        # the others zeros; each one's derivative is its vjp(cotangent, *inputs).
         def function(*inputs: Any) -> Any:
-            inputs_of = lambda: inputs  # noqa: E731 (not a PyLayer input: see _Part)
-            y = _Part.apply(inputs[0], vjps[0], inputs_of, value, out)
-            for t, rule in zip(inputs[1:], vjps[1:]):
+            def part(t: Any, vjp: Callable[..., Any], value_of: Callable[[], np.ndarray]) -> Any:
+                return _Closure.apply(t, lambda: paddle.to_tensor(value_of(), dtype=out[1], place=t.place),
+                                      lambda cotangent: vjp(cotangent, *inputs))
+
+            y = part(inputs[0], vjps[0], lambda: value(*(a.detach().numpy() for a in inputs)))
+            for t, vjp in zip(inputs[1:], vjps[1:]):
                 if not t.stop_gradient:
-                    y = y + _Part.apply(t, rule, inputs_of, None, out)
+                    y = y + part(t, vjp, lambda: np.zeros(*out))
             return y
 
         return function
@@ -634,12 +615,8 @@ class PaddleAdapter(Adapter):
                 for t, (s, d) in zip(inputs, raw)
             )):
                 return check_and_run(x, *args)
-            leaf, hidden, stack = _fresh(x), [], _frames.stack  # per thread
-            stack.append(hidden)
-            try:
-                y = f(leaf, *args)
-            finally:
-                stack.pop()
+            leaf = _fresh(x)
+            y, hidden = _frames.run(f, leaf, *args)
             if type(y) is not tensor or y.dtype is not leaf.dtype:
                 y = self._tensor(check_output(y, [leaf]))
             check_scalar(y)
@@ -664,20 +641,17 @@ class PaddleAdapter(Adapter):
         function's artefacts).  The last route builds ``J`` itself, one pullback per output
         element, which needs first derivatives only.
         """
-        y, state = rec.y, {}
+        y = rec.y
 
+        @functools.cache
         def transposed() -> tuple[Any, list]:
-            if "vjps" not in state:
-                u = _fresh(paddle.zeros_like(y))  # any value: J^T u is linear in u
-                state["u"], state["vjps"] = u, rec.grad([y], rec.leaves, [u], create_graph=True)
-            return state["u"], state["vjps"]
+            u = _fresh(paddle.zeros_like(y))  # any value: J^T u is linear in u
+            return u, rec.grad([y], rec.leaves, [u], create_graph=True)
 
+        @functools.cache
         def jacobian() -> list:
-            if "jacobian" not in state:
-                vjp, basis = rec.pullback, paddle.eye(size_of(y), dtype=y.dtype)
-                rows = [self.backend.complete(vjp(basis[i].reshape(y.shape)), rec.leaves) for i in range(size_of(y))]
-                state["jacobian"] = [paddle.stack([r[k].reshape([-1]) for r in rows]) for k in range(len(rec.leaves))]
-            return state["jacobian"]
+            rows = [self.backend.complete(r, rec.leaves) for r in rec.rows(y, rec.nested)]
+            return [paddle.stack([r[k].reshape([-1]) for r in rows]) for k in range(len(rec.leaves))]
 
         def apply(route: str, ts: list) -> Any:
             if route == "jacobian":
@@ -731,10 +705,7 @@ class PaddleAdapter(Adapter):
             (g,) = rec.grad([rec.y], rec.leaves, create_graph=True)
             if g is None or g.stop_gradient:  # f is linear (or constant) in x
                 return paddle.zeros(shape + shape, dtype=x.dtype)
-            basis = paddle.eye(size_of(x), dtype=x.dtype)
-            rows = [rec.grad([g], rec.leaves, [basis[i].reshape(shape)], retain_graph=True, create_graph=rec.nested)[0]
-                    for i in range(size_of(x))]
-        rows = [paddle.zeros_like(x) if r is None else r for r in rows]
+            rows = [paddle.zeros_like(x) if r is None else r for (r,) in rec.rows(g, rec.nested)]
         return paddle.stack(rows).reshape(shape + shape) if rows else paddle.zeros(shape + shape, dtype=x.dtype)
 
     @_operator
@@ -744,15 +715,11 @@ class PaddleAdapter(Adapter):
         rec = self._record(fn, xs, data)
         x, y = xs[0], rec.y
         y_shape = [int(d) for d in y.shape]
-        basis = paddle.eye(size_of(y), dtype=y.dtype)
-        out = []
         with _recording():
-            for i in range(size_of(y)):
-                (d,) = rec.grad([y], rec.leaves, [basis[i].reshape(y_shape)], retain_graph=True, create_graph=True)
-                d2 = None
-                if d is not None and not d.stop_gradient:  # else y is linear (or constant) in x
-                    (d2,) = rec.grad([d], rec.leaves, retain_graph=True, create_graph=rec.nested)
-                out.append(paddle.zeros_like(x) if d2 is None else d2)
+            # d2 None where y is linear (or constant) in x: d None, or a constant
+            out = [None if d is None else rec.grad([d], rec.leaves, retain_graph=True, create_graph=rec.nested)[0]
+                   for (d,) in rec.rows(y, create_graph=True)]
+        out = [paddle.zeros_like(x) if d2 is None else d2 for d2 in out]
         return paddle.stack(out).reshape(y_shape) if out else paddle.zeros(y_shape, dtype=y.dtype)
 
     @_operator
@@ -804,26 +771,24 @@ def _keeping_errors(backward: Callable) -> staticmethod:
     return staticmethod(keeping)
 
 
-class _Part(paddle.autograd.PyLayer):
-    """One input ``t``'s part of a custom function: ``value`` of all the inputs (``None``:
-    zeros of ``out = (size, dtype)``), whose derivative in ``t`` is ``rule(cotangent, *inputs)``.
+class _Closure(paddle.autograd.PyLayer):
+    """``value()``, a tensor of the one input ``t``, whose backward is ``pullback(cotangent)``;
+    whatever else the two need they reach through their closures, hidden from paddle.
 
     A PyLayer of several inputs would have to return ``None`` for one that paddle.grad prunes
     (one nobody asked for), which its backward cannot know; one input per PyLayer, with the
-    others reached through ``inputs_of`` (tensors hidden from paddle in a closure), lets paddle
-    prune whole parts instead, and skip their rules.
+    others reached through a closure, lets paddle prune whole PyLayers instead, and skip their
+    backwards.
     """
 
     @staticmethod
-    def forward(ctx: Any, t: Any, rule: Callable[..., Any], inputs_of: Callable[[], tuple],
-                value: Callable[..., np.ndarray] | None, out: tuple[int, str]) -> Any:
-        ctx.rule, ctx.inputs_of = rule, inputs_of
-        y = np.zeros(*out) if value is None else value(*(a.detach().numpy() for a in inputs_of()))
-        return paddle.to_tensor(y, dtype=out[1], place=t.place)
+    def forward(ctx: Any, t: Any, value: Callable[[], Any], pullback: Callable[[Any], Any]) -> Any:
+        ctx.pullback = pullback
+        return value()
 
     @_keeping_errors
     def backward(ctx: Any, cotangent: Any) -> Any:
-        return ctx.rule(cotangent, *ctx.inputs_of())
+        return ctx.pullback(cotangent)
 
 
 def _pack(ts: Sequence, dtype: Any) -> Any:
@@ -851,11 +816,13 @@ class _Rule(paddle.autograd.PyLayer):
     and its constants ``consts_of()``, placed by ``layout`` (:func:`_unpack`).
 
     paddle wants None from a PyLayer's backward for each input that paddle.grad prunes, which
-    the backward cannot know; with one input, a pruned PyLayer is not run at all.  When a graph
-    is being built (``create_graph=True``; a program's backward) the backward runs
-    ``rule.forward`` again, recorded, for residuals connected to the inputs: the forward ran
-    unrecorded, and a program's backward sees only the values saved for it.  A custom_jvp
-    rule's backward of a zero cotangent (the double-vjp trick's) is :class:`_Tangents`.
+    the backward cannot know; with one input, a pruned PyLayer is not run at all (as
+    :class:`_Closure`).  When a graph is being built (``create_graph=True``; a program's
+    backward) the backward runs ``rule.forward`` again, recorded, for residuals connected to
+    the inputs: the forward ran unrecorded, and a program's backward sees only the values saved
+    for it.  A custom_jvp rule's backward of a zero cotangent (the double-vjp trick's) is zeros
+    (``J^T 0``) whose own backward, ``t -> J t``, is the rule's jvp: so the double-vjp trick
+    (forward mode) through the rule gives its jvp, and reverse over that differentiates the jvp.
     """
 
     @staticmethod
@@ -877,24 +844,12 @@ class _Rule(paddle.autograd.PyLayer):
             again = not paddle.in_dynamic_mode() or paddle.is_grad_enabled()
             grads = rule.backward(rule.forward(*_unpack(packed, consts, layout))[1] if again else ctx.residuals, cts)
             return _pack([g for g, at in zip(grads, layout) if at is not None], packed.dtype)
-        if paddle.in_dynamic_mode() and not any(bool(paddle.any(c != 0)) for c in cts):
-            return _Tangents.apply(_pack(cts, _widest(cts)), rule, layout, lambda: (packed, consts))
-        raise rule.no_vjp_error()
+        if not paddle.in_dynamic_mode() or any(bool(paddle.any(c != 0)) for c in cts):
+            raise rule.no_vjp_error()
+        ct = _pack(cts, _widest(cts))
 
+        def jvp(packed_tangent: Any) -> Any:
+            tangents = _unpack(packed_tangent, [paddle.zeros_like(t) for t in consts], layout)
+            return _pack(rule.jvp(tuple(_unpack(packed, consts, layout)), tuple(tangents))[1], ct.dtype)
 
-class _Tangents(paddle.autograd.PyLayer):
-    """A custom_jvp rule's backward at a zero cotangent ``ct``: zeros (``J^T 0``), whose own
-    backward, ``t -> J t``, is the rule's jvp.  So the double-vjp trick (forward mode) through
-    the rule gives its jvp, and reverse over that differentiates the jvp."""
-
-    @staticmethod
-    def forward(ctx: Any, ct: Any, rule: Any, layout: list, primals_of: Callable[[], tuple]) -> Any:
-        ctx.args = rule, layout, primals_of, ct.dtype
-        return paddle.zeros_like(primals_of()[0])
-
-    @_keeping_errors
-    def backward(ctx: Any, packed_tangent: Any) -> Any:
-        rule, layout, primals_of, dtype = ctx.args
-        packed, consts = primals_of()
-        tangents = _unpack(packed_tangent, [paddle.zeros_like(t) for t in consts], layout)
-        return _pack(rule.jvp(tuple(_unpack(packed, consts, layout)), tuple(tangents))[1], dtype)
+        return _Closure.apply(ct, lambda: paddle.zeros_like(packed), jvp)

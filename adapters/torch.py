@@ -213,12 +213,7 @@ class _Variables:
             y, aux = split_aux(f(*args), has_aux)
             y = self._implicit_output(y, variables)
             check_scalar(y)
-            if y.requires_grad:
-                # never .backward(): it would accumulate into every parameter's .grad
-                grads = torch.autograd.grad(y, variables, allow_unused=True, materialize_grads=True)
-            else:
-                grads = tuple(torch.zeros_like(p) for p in variables)
-        return y.detach(), _detached(aux), list(grads)
+        return y.detach(), _detached(aux), _variable_grads(y, variables)
 
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
         args = _on_device_of(variables, args)
@@ -228,13 +223,7 @@ class _Variables:
         def vjp(dy: Any) -> list:
             # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
             dy = torch.as_tensor(self.adapter.backend.cotangent(dy, y), dtype=y.dtype, device=y.device)
-            if not y.requires_grad:
-                return [torch.zeros_like(p) for p in variables]
-            with torch.enable_grad():
-                grads = torch.autograd.grad(
-                    y, variables, grad_outputs=dy, retain_graph=True, allow_unused=True, materialize_grads=True
-                )
-            return list(grads)
+            return _variable_grads(y, variables, grad_outputs=dy, retain_graph=True)
 
         return y.detach(), vjp
 
@@ -244,6 +233,15 @@ class _Variables:
         # comes back as a 0-d numpy array, a constant
         y = check_output(out, variables)
         return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
+
+
+def _variable_grads(y: torch.Tensor, variables: list, **options: Any) -> list:
+    """dy/dv for every variable (zeros where ``y`` does not depend on it)."""
+    if not y.requires_grad:
+        return [torch.zeros_like(p) for p in variables]
+    with torch.enable_grad():
+        # never .backward(): it would accumulate into every parameter's .grad
+        return list(torch.autograd.grad(y, variables, allow_unused=True, materialize_grads=True, **options))
 
 
 def _on_device_of(variables: list, args: tuple) -> tuple:
@@ -287,14 +285,10 @@ class TorchAdapter(Adapter):
     extra = "torch"
     modules = ("torch",)
     # each fast route is the method of the operator's own name
-    fast_routes = {
-        "prepare_value_and_gradient": "prepare_value_and_gradient",
-        "jacobian": "jacobian",
-        "prepare_jacobian": "prepare_jacobian",
-        "hvp": "hvp",
-        "value_derivative_and_second_derivative": "value_derivative_and_second_derivative",
-        "second_derivative": "second_derivative",
-    }
+    fast_routes = {name: name for name in (
+        "prepare_value_and_gradient", "jacobian", "prepare_jacobian", "hvp",
+        "value_derivative_and_second_derivative", "second_derivative",
+    )}
 
     def __init__(self, *, device: str = "cpu", compile: bool | str = False):
         if not isinstance(compile, (bool, str)):
@@ -387,9 +381,8 @@ class TorchAdapter(Adapter):
         if call is None:  # not a plain function or method: compile afresh, keep nothing
             call = torch.compile(fn.f, backend=self._compiler)
         # The twin flat function holds `call` weakly; the closure below keeps it alive.
-        twin = FlatFunction(
-            call, fn.x_treedef, fn.args_treedef, fn.template, fn.diff_index, fn.data_index, fn.n_x_leaves, fn.has_aux
-        )
+        twin = FlatFunction(call, fn.x_treedef, fn.args_treedef, fn.template, fn.diff_index, fn.data_index,
+                            fn.n_x_leaves, fn.has_aux)
 
         def forward(xs: list, data: list, _keep: Any = call) -> tuple[Any, Any]:
             try:
@@ -479,9 +472,8 @@ class TorchAdapter(Adapter):
                 return [None] * len(leaves)
             # retain_graph: the pullback may be called again (the core builds jacobians row by row).
             with torch.enable_grad():
-                return list(
-                    torch.autograd.grad(y, leaves, dy, retain_graph=True, create_graph=nested, allow_unused=True)
-                )
+                grads = torch.autograd.grad(y, leaves, dy, retain_graph=True, create_graph=nested, allow_unused=True)
+            return list(grads)
 
         if nested:
             return y, aux, vjp
@@ -542,13 +534,8 @@ class TorchAdapter(Adapter):
         return run
 
     # ------------------------------------------------------------- composition
-    def custom_function(
-        self,
-        value: Callable[..., np.ndarray],
-        vjps: Sequence[Callable[..., Any]],
-        jvps: Sequence[Callable[..., Any]],
-        out: tuple[int, str],
-    ) -> Callable[..., torch.Tensor]:
+    def custom_function(self, value: Callable[..., np.ndarray], vjps: Sequence[Callable[..., Any]],
+                        jvps: Sequence[Callable[..., Any]], out: tuple[int, str]) -> Callable[..., torch.Tensor]:
         # one torch.autograd.Function in the setup_context style: reverse mode, forward mode
         # (jvp) and the torch.func transforms all see the rules.  ``out`` is not needed: the
         # numpy result carries its size and dtype.
@@ -563,19 +550,14 @@ class TorchAdapter(Adapter):
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
     def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
-        y, aux = self._forward(fn)(xs, data)
-        value = self._value_fn(fn, data)
-
-        y = self._tensor(y)
-
-        @_forward_mode
-        def jvp(ts: list) -> torch.Tensor:
-            return _like(torch.func.jvp(value, tuple(xs), tuple(ts))[1], y)
-
-        return y, aux, jvp
+        return self._value_and_jvp(fn, xs, data, batched=False)
 
     @_explains_numpy_mix
     def value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
+        return self._value_and_jvp(fn, xs, data, batched=True)
+
+    def _value_and_jvp(self, fn: FlatFn, xs: list, data: list, batched: bool) -> tuple[Any, Any, Callable]:
+        """``(y, aux, jvp)``; with ``batched``, ``jvp`` takes stacked tangents (``torch.func.vmap``)."""
         y, aux = self._forward(fn)(xs, data)
         value = self._value_fn(fn, data)
         y = self._tensor(y)
@@ -586,7 +568,7 @@ class TorchAdapter(Adapter):
 
         @_forward_mode
         def jvps(ts: list) -> torch.Tensor:
-            return _like(torch.func.vmap(jvp)(*ts), y)
+            return _like(torch.func.vmap(jvp)(*ts) if batched else jvp(*ts), y)
 
         return y, aux, jvps
 
@@ -630,10 +612,10 @@ class TorchAdapter(Adapter):
                     modes[key] = mode
             transform, dtype = mode
             try:
-                jacs, y = transform(*xs, *data) if with_value else (transform(*xs, *data), None)
+                out = transform(*xs, *data)
             except CustomRuleError:  # an ad.custom_vjp (custom_jvp) has a rule in one mode: take that one
-                other = forward_mode if transform is reverse else reverse
-                jacs, y = other(*xs, *data) if with_value else (other(*xs, *data), None)
+                out = (forward_mode if transform is reverse else reverse)(*xs, *data)
+            jacs, y = out if with_value else (out, None)
             jacs = [j if j.dtype == dtype or not j.is_floating_point() else j.to(dtype) for j in (
                 (jacs,) if k == 1 else jacs)]
             return (y, jacs) if with_value else jacs
@@ -645,7 +627,19 @@ class TorchAdapter(Adapter):
     def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
-        _, hv = _grad_and_hvp(grad, xs, tangents)
+        try:
+            hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))[1]
+        except (RuntimeError, CustomRuleError) as err:  # an ad.custom_vjp: it has no forward-mode rule
+            # Reverse over reverse where torch 2.13's forward mode fails on the function: a jvp
+            # through the backward of an index op (take, index_select) of a float32 array scaled
+            # by a Python number makes a float64 tangent and raises a dtype error (torch.func.vjp
+            # of the gradient does not); the Hessian is symmetric, so the vjp of the tangents is
+            # the product.
+            dtype_error = any(m in str(err) for m in ("same scalar type", "same dtype"))
+            if not (dtype_error or isinstance(err, CustomRuleError)):
+                raise
+            _, vjp = torch.func.vjp(grad, *xs)
+            hv = vjp(tuple(tangents))
         return [_like(h, x) for h, x in zip(hv, xs)]
 
     @_explains_numpy_mix
@@ -669,30 +663,14 @@ class TorchAdapter(Adapter):
 # ---------------------------------------------------------------------------------------
 # Composition: a numpy function with custom derivatives as a torch operation (custom_function).  The
 # portable translations of numpy/scipy calls are abstractdiff/portable/torch.py.
-def _grad_and_hvp(grad: Callable[..., tuple], xs: list, tangents: list) -> tuple[tuple, tuple]:
-    """The gradient and the Hessian-vector product: forward over reverse (one jvp of the gradient),
-    or reverse over reverse where torch 2.13's forward mode fails on the function: a jvp through
-    the backward of an index op (take, index_select) of a float32 array scaled by a Python number
-    makes a float64 tangent and raises a dtype error (torch.func.vjp of the gradient does not); the
-    Hessian is symmetric, so the vjp of the tangents is the product."""
-    try:
-        return torch.func.jvp(grad, tuple(xs), tuple(tangents))
-    except (RuntimeError, CustomRuleError) as err:  # an ad.custom_vjp: it has no forward-mode rule
-        if not isinstance(err, CustomRuleError) and "same scalar type" not in str(err) and "same dtype" not in str(
-                err):
-            raise
-        g, vjp = torch.func.vjp(grad, *xs)
-        return g, vjp(tuple(tangents))
-
-
 def _to_device_of(a: np.ndarray, like: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     """A kernel's numpy result as a tensor on ``like``'s device, without a copy on the CPU
     (DLPack takes read-only memory too).  A result lying in the memory of one of ``inputs``
-    (default ``like``; a kernel returning its input, or a slice of it) comes back as a view
-    of that input: torch's version counter then sees a write through either, as it does
-    for its own views, where a separate tensor would let it change the input silently."""
+    (a kernel returning its input, or a slice of it) comes back as a view of that input:
+    torch's version counter then sees a write through either, as it does for its own views,
+    where a separate tensor would let it change the input silently."""
     if like.device.type == "cpu":
-        for t in inputs or (like,):
+        for t in inputs:
             view = _view_into(t, a)
             if view is not None:
                 return view
@@ -719,10 +697,6 @@ def _view_into(t: torch.Tensor, a: np.ndarray) -> torch.Tensor | None:
     return torch.as_tensor(a.copy())
 
 
-def _numpy_of(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()  # no copy on CPU
-
-
 class _Node:
     """What a :class:`_Custom` call computes: its value and derivative rules (a non-tensor
     argument of ``apply``, which torch passes through untouched; not a tuple, which
@@ -741,7 +715,8 @@ class _Custom(torch.autograd.Function):
 
     @staticmethod
     def forward(node: _Node, *inputs: torch.Tensor) -> torch.Tensor:
-        return _to_device_of(node.value(*map(_numpy_of, inputs)), inputs[0], *inputs)
+        arrays = [t.detach().cpu().numpy() for t in inputs]  # no copy on CPU
+        return _to_device_of(node.value(*arrays), inputs[0], *inputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -3,7 +3,7 @@ stand-in for the core's rule object whose derivatives are deliberately wrong: d/
 ``sum(x**2) * y`` is ``3xy`` under the rule (``2xy`` truly), so a result shows which was used.
 
 paddle's forward mode is the double-vjp trick: a custom_vjp rule gives it by differentiating its
-backward, a custom_jvp rule through its jvp (``_Tangents``); reverse mode through a custom_jvp
+backward, a custom_jvp rule through its jvp (a ``_Closure`` at the zero cotangent); reverse mode through a custom_jvp
 rule refuses.  Second order runs the rule's backward again, recorded.
 """
 
