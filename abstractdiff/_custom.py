@@ -33,7 +33,8 @@ import optree
 
 from ._arrays import dtype_name, shape_of
 from ._errors import ArgumentTypeError, CustomRuleError
-from ._tree import is_array, is_float_dtype
+from ._registry import backend_for
+from ._tree import _ARRAY_TYPES, is_array, is_float_dtype
 
 __all__ = [
     "Rule", "current_backend", "current_rule", "custom_jvp", "custom_vjp", "numerical_evaluation", "stop_gradient",
@@ -43,9 +44,9 @@ __all__ = [
 _NUMERICAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("abstractdiff_numerical", default=None)
 #: The rule whose ``fwd``, ``bwd`` or ``jvp`` runs now (for rules that call operators).
 _RUNNING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_running_rule", default=None)
-#: The custom function whose ``fwd`` runs now: called there, it is its plain ``f`` (jax's
-#: idiom ``return f(x), residuals``; its rule would recurse into this ``fwd`` again).
-_FORWARDING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_forwarding", default=None)
+#: The structure of one leaf (an output that is one array), and of one positional argument that is.
+_ONE_LEAF = optree.tree_structure(0)
+_ONE_ARGUMENT = optree.tree_structure((0,))
 
 
 class numerical_evaluation:
@@ -75,13 +76,16 @@ def current_backend() -> Any:
 
 def _is_input(leaf: Any) -> bool:
     """A leaf the custom function differentiates: a float array (Python floats are constants)."""
-    return is_array(leaf) and is_float_dtype(leaf.dtype)
+    kind = type(leaf)
+    if kind not in _ARRAY_TYPES:  # the array types met before, as the operators keep them
+        if not is_array(leaf):
+            return False
+        _ARRAY_TYPES.add(kind)
+    return is_float_dtype(leaf.dtype)
 
 
 def _library_of(inputs: list) -> Any:
     """The backend of the library whose arrays ``inputs`` are (numpy's: None)."""
-    from ._registry import backend_for
-
     found = None
     for a in inputs:
         if type(a) is np.ndarray or isinstance(a, np.generic):
@@ -130,6 +134,8 @@ class Rule:
         self._leaves = leaves
         self._treedef = treedef
         self._index = index
+        self._flat = len(index) == len(args) and treedef.num_nodes == len(args) + 1  # a tuple of arrays
+        self.forwarding = False  # while the user's fwd runs (see _CustomFunction.__call__)
         # the outputs' structure, known once the function has run (stop_gradient's: its inputs')
         self.out_treedef: Any = optree.tree_structure((0,) * len(index)) if self.stops_gradient else None
 
@@ -137,12 +143,17 @@ class Rule:
     def _rebuild(self, values: tuple, constants: bool = True) -> tuple:
         """The positional arguments with ``values`` at the float leaves; the other leaves are
         the call's own (``constants``) or None (a tangent's: constants have none)."""
+        if self._flat:  # every argument one float array: they are the values themselves
+            return tuple(values)
         leaves = list(self._leaves) if constants else [None] * len(self._leaves)
         for i, a in zip(self._index, values):
             leaves[i] = a
         return optree.tree_unflatten(self._treedef, leaves)
 
     def _outputs(self, out: Any, what: str) -> tuple:
+        if (self.out_treedef is None or self.out_treedef is _ONE_LEAF) and _is_input(out):
+            self.out_treedef = _ONE_LEAF  # the common case: one float array
+            return (out,)
         leaves, treedef = optree.tree_flatten(out)
         for leaf in leaves:
             if not _is_input(leaf):
@@ -153,7 +164,7 @@ class Rule:
         if not leaves:
             raise CustomRuleError(f"{self.name}: {what} returned no float array")
         if self.out_treedef is None:
-            self.out_treedef = treedef
+            self.out_treedef = _ONE_LEAF if treedef == _ONE_LEAF else treedef
         elif treedef != self.out_treedef:
             raise CustomRuleError(
                 f"{self.name}: {what} returned an output of structure {treedef}, but the function's output has "
@@ -172,6 +183,12 @@ class Rule:
             if g is None:
                 out.append(self.backend.zeros_like(a))
                 continue
+            try:  # the common case, by the arrays' own attributes (a symbolic shape is not equal: below)
+                if g.shape == a.shape and g.dtype == a.dtype:
+                    out.append(g)
+                    continue
+            except Exception:  # noqa: S110 (an unusual array: the checks below say what is wrong)
+                pass
             if not is_array(g):
                 raise CustomRuleError(
                     f"{self.name}: {what} {where(k)} is {_describe(g)}, not an array; return an array shaped "
@@ -202,12 +219,12 @@ class Rule:
 
     def forward(self, *inputs: Any) -> tuple[tuple, Any]:
         """``(outputs, residuals)``: the user's ``fwd`` at ``inputs``."""
-        token, forwarding = _RUNNING.set(self), _FORWARDING.set(self.spec)
+        token, self.forwarding = _RUNNING.set(self), True
         try:
             got = self.spec._fwd(*self._rebuild(inputs))
         finally:
             _RUNNING.reset(token)
-            _FORWARDING.reset(forwarding)
+            self.forwarding = False
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             raise CustomRuleError(
                 f"{self.name}: fwd must return a pair (out, residuals), got {type(got).__name__}"
@@ -219,7 +236,8 @@ class Rule:
         """One cotangent per input (float leaf), from the user's ``bwd``, checked."""
         if not self.has_vjp:
             raise self.no_vjp_error()
-        ct = optree.tree_unflatten(self.out_treedef, list(cotangents))
+        ct = cotangents[0] if self.out_treedef is _ONE_LEAF else optree.tree_unflatten(self.out_treedef,
+                                                                                        list(cotangents))
         token = _RUNNING.set(self)
         try:
             got = self.spec._bwd(residuals, ct)
@@ -237,24 +255,26 @@ class Rule:
                 f"argument{'s' if n != 1 else ''}: return one per argument (None for an argument with none)"
             )
         flat: list = []
-        owner: list[tuple[int, int, int]] = []  # per leaf: (argument, leaf of it, leaves of it)
-        for i, (g, arg) in enumerate(zip(got, self._args)):
-            arg_leaves, arg_def = optree.tree_flatten(arg)
-            owner.extend((i, j, len(arg_leaves)) for j in range(len(arg_leaves)))
-            if g is None:
-                flat.extend([None] * len(arg_leaves))
-                continue
-            try:
-                given = arg_def.flatten_up_to(g)
-            except (ValueError, TypeError) as err:
-                raise CustomRuleError(
-                    f"{self.name}: bwd's cotangent for argument {i} does not have that argument's structure "
-                    f"{arg_def}: {err}"
-                ) from None
-            flat.extend(given)
-        def where(k: int) -> str:
-            i, j, n = owner[k]
-            return f"for argument {i}" + (f" (its leaf {j})" if n > 1 else "")
+        for i, (g, spec) in enumerate(zip(got, self._treedef.children())):  # one spec per argument
+            if spec.is_leaf():
+                flat.append(g)
+            elif g is None:
+                flat.extend([None] * spec.num_leaves)
+            else:
+                try:
+                    flat.extend(spec.flatten_up_to(g))
+                except (ValueError, TypeError) as err:
+                    raise CustomRuleError(
+                        f"{self.name}: bwd's cotangent for argument {i} does not have that argument's structure "
+                        f"{spec}: {err}"
+                    ) from None
+
+        def where(k: int) -> str:  # "for argument i (its leaf j)", for messages
+            for i, spec in enumerate(self._treedef.children()):
+                if k < spec.num_leaves:
+                    return f"for argument {i}" + (f" (its leaf {k})" if spec.num_leaves > 1 else "")
+                k -= spec.num_leaves
+            return ""
 
         checked = self._checked(flat, self._leaves, "bwd's cotangent", where)
         return tuple(checked[i] for i in self._index)
@@ -320,8 +340,6 @@ class _CustomFunction:
         self.fun = fun
         functools.update_wrapper(self, fun)
 
-    def _defined(self) -> bool:
-        raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -329,25 +347,35 @@ class _CustomFunction:
                 f"{self.__name__}: pass the arguments of an ad.{self._kind} function positionally (its rule has "
                 f"one cotangent per positional argument); bind options with functools.partial first"
             )
-        if not self._defined():
+        if self._bwd is None and self._jvp is None:
             raise CustomRuleError(
                 f"{self.__name__} is an ad.{self._kind} function whose rule is not defined yet: call "
                 f"{self.__name__}.{'defvjp(fwd, bwd)' if self._kind == 'custom_vjp' else 'defjvp(jvp)'} first"
             )
-        leaves, treedef = optree.tree_flatten(args)
-        index = [i for i, a in enumerate(leaves) if _is_input(a)]
-        inputs = [leaves[i] for i in index]
-        backend = _library_of(inputs)
-        if backend is None or _FORWARDING.get() is self:
-            return self.fun(*args)  # numpy: f's value, and what finite differences differentiate
-        hook = getattr(backend, "custom_rule", None)
-        if hook is None or not getattr(backend, "has_custom_rule", True):
+        if len(args) == 1 and type(args[0]) in _ARRAY_TYPES and is_float_dtype(args[0].dtype):
+            # the common case, one float array: its structure is known without flattening
+            leaves, treedef, index = list(args), _ONE_ARGUMENT, [0]
+            inputs = leaves
+            backend = None if type(args[0]) is np.ndarray else backend_for(args[0])
+        else:
+            leaves, treedef = optree.tree_flatten(args)
+            index = [i for i, a in enumerate(leaves) if _is_input(a)]
+            inputs = [leaves[i] for i in index]
+            backend = _library_of(inputs)
+        running = _RUNNING.get()
+        if backend is None or running is not None and running.forwarding and running.spec is self:
+            # numpy: f's value, and what finite differences differentiate; or called in its own fwd
+            # (jax's idiom ``return f(x), residuals``), where its rule would run this fwd again
+            return self.fun(*args)
+        rule = Rule(self, backend, args, leaves, treedef, index)
+        try:
+            function = backend.custom_rule(rule)
+        except (AttributeError, NotImplementedError):  # the protocol's default, or an older backend
             raise CustomRuleError(
                 f"{self.__name__}: the {backend.name} backend's adapter has no custom_rule hook, so custom "
                 f"derivatives cannot be used with its arrays (see the adapter guide)"
-            )
-        rule = Rule(self, backend, args, leaves, treedef, index)
-        outputs = hook(rule)(*inputs)
+            ) from None
+        outputs = function(*inputs)
         return optree.tree_unflatten(rule.out_treedef, list(outputs))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
@@ -390,8 +418,6 @@ class custom_vjp(_CustomFunction):
                 raise ArgumentTypeError(f"{self.__name__}.defvjp: {name} must be callable, got {type(rule).__name__}")
         self._fwd, self._bwd = fwd, bwd
 
-    def _defined(self) -> bool:
-        return self._bwd is not None
 
 
 class custom_jvp(_CustomFunction):
@@ -428,8 +454,6 @@ class custom_jvp(_CustomFunction):
         self._jvp = jvp
         return jvp
 
-    def _defined(self) -> bool:
-        return self._jvp is not None
 
 
 # ----------------------------------------------------------------- stop_gradient
@@ -446,8 +470,6 @@ class _Stopped(_CustomFunction):
         self._bwd = lambda _, cts: (None,) * len(cts)
         self._jvp = lambda primals, tangents: (primals, (None,) * len(primals))
 
-    def _defined(self) -> bool:
-        return True
 
 
 _STOPPED = _Stopped()

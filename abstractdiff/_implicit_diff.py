@@ -254,7 +254,8 @@ class _ImplicitSolver:
         if rnorm is None or bnorm is None:
             # rr <= bound is false where rr is nan too; added, not multiplied: a graph library
             # may simplify 0 * nan to 0 (PyTensor does), which would hide it again
-            return u, ar().do("where", rr <= loose * loose * bb, bb * 0, bb * np.nan)
+            nan = ar().do("astype", bb * np.nan, name)  # in b's dtype (PyTensor widens a Python float)
+            return u, ar().do("where", rr <= loose * loose * bb, bb * 0, nan)
         relative = math.sqrt(rnorm) / max(math.sqrt(bnorm), 1e-300)
         if not math.isfinite(relative) or relative > loose:
             raise self._singular(f"the linear solve left a relative residual of {relative:.3g}")

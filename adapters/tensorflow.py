@@ -555,13 +555,12 @@ class TensorFlowAdapter(Adapter):
             def boundary(*_: Any) -> tuple:
                 return [tf.identity(o) for o in outputs], grad
 
-            with _record.stop_recording():
-                results = boundary(*inputs)
+            with _record.stop_recording():  # eager: new tensors for the recorded op, nothing more
+                results = [tf.identity(o) for o in outputs] if tf.executing_eagerly() else boundary(*inputs)
             _record.record_operation(rule.name, results, inputs, grad, jvp if rule.has_jvp else None)
             return tuple(results)
 
         return h
-
 
     # ------------------------------------------------------- flat operators
     def value_and_pullback(self, fn: Any, xs: list, data: list) -> tuple:

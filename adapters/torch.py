@@ -545,7 +545,7 @@ class TorchAdapter(Adapter):
     def custom_rule(self, rule: Any) -> Callable[..., tuple]:
         if rule.stops_gradient:
             return lambda *inputs: tuple(a.detach() for a in inputs)
-        return lambda *inputs: _Rule.apply(rule, *inputs)
+        return lambda *inputs: (_Rule.apply if _in_functorch() else _apply_rule)(rule, *inputs)
 
     # ------------------------------------------------------------ forward mode
     @_explains_numpy_mix
@@ -762,7 +762,8 @@ class _Rule(torch.autograd.Function):
         ctx.rule = rule = inputs[0]
         ctx.residuals, rule.residuals = getattr(rule, "residuals", None), None
         ctx.save_for_backward(*inputs[1:])
-        ctx.save_for_forward(*inputs[1:])
+        if rule.has_jvp:
+            ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:
@@ -778,11 +779,17 @@ class _Rule(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, _rule_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
-        rule, inputs = ctx.rule, ctx.saved_tensors
+        rule = ctx.rule
         if not rule.has_jvp:
             raise rule.no_jvp_error()
+        inputs = ctx.saved_tensors
         full = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(inputs, tangents))
         return rule.jvp(inputs, full)[1]
+
+
+#: _Rule.apply outside torch.func transforms without Function.apply's inspect.signature binding
+#: of default arguments (20 us a call; forward has none): the C apply that Function.apply calls
+_apply_rule = super(torch.autograd.Function, _Rule).apply
 
 
 def _batched(info: Any, dims: tuple, call: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:

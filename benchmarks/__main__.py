@@ -18,7 +18,7 @@ from typing import Callable
 
 import abstractdiff as ad
 
-from . import compose, import_time, memory, operators, sparse
+from . import compose, custom, import_time, memory, operators, sparse
 from .harness import Result, run_backend
 from .workloads import WORKLOADS
 
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-operators", action="store_true", help="skip the jacobian and hvp comparison")
     parser.add_argument("--no-sparse", action="store_true", help="skip the sparse against dense Jacobian comparison")
     parser.add_argument("--no-compose", action="store_true", help="skip the crossing-libraries comparison")
+    parser.add_argument("--no-custom", action="store_true", help="skip the ad.custom_vjp comparison")
     opts = parser.parse_args(argv)
 
     available = set(ad.available_backends())
@@ -119,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  crossing libraries / {', '.join(names)} ...", file=sys.stderr, flush=True)
         compose_lines = compose.table(compose.run(names, opts.rounds, opts.min_time))
         print("\n".join(compose_lines))
+    custom_lines: list[str] = []
+    if not opts.no_custom:
+        names = [b for b in backends if b in custom.LIBRARIES]
+        print(f"  ad.custom_vjp / {', '.join(names)} ...", file=sys.stderr, flush=True)
+        custom_lines = custom.table(custom.run(names, opts.rounds, opts.min_time))
+        print("\n".join(custom_lines))
     memory_lines: list[str] = []
     if not opts.no_memory:
         print("  peak memory (fresh processes) ...", file=sys.stderr, flush=True)
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(import_lines))
     if not opts.no_write:
         write_markdown(opts, workloads, lines, memory_lines, import_lines, capture_lines, operator_lines,
-                       compose_lines)
+                       compose_lines, custom_lines)
     return 0
 
 
@@ -201,6 +208,7 @@ def write_markdown(
     capture_lines: list[str],
     operator_lines: list[str],
     compose_lines: list[str],
+    custom_lines: list[str] = (),  # type: ignore[assignment]
 ) -> None:
     descriptions = [f"- `{name}`: {WORKLOADS[name]().description}" for name in workloads]
     targets = [
@@ -274,6 +282,7 @@ def write_markdown(
                 if compose_lines
                 else []
             ),
+            *(["## Custom derivatives", "", *custom.DESCRIPTION, "", *custom_lines, ""] if custom_lines else []),
             "## Peak memory of a gradient",
             "",
             "Growth of the process's peak resident set over its size just before, for three "
