@@ -27,8 +27,8 @@ __all__ = ["bicgstab", "custom_fixed_point", "custom_root", "dense_solve"]
 
 LinearSolve = Callable[[Callable[[Any], Any], Any], Any]
 #: How the libraries' dense solves word a singular matrix (numpy's and torch's LinAlgError,
-#: tensorflow's "not invertible", paddle's and MLX's "singular").
-_SINGULAR_WORDS = ("linalgerror", "singular", "invertible")
+#: tensorflow's and paddle's "not invertible", MLX's "inversion failed").
+_SINGULAR_WORDS = ("linalgerror", "singular", "invertible", "inversion failed")
 
 
 # ------------------------------------------------------------------ the linear solvers
@@ -223,14 +223,13 @@ class _ImplicitSolver:
 
     def _linear_solution(self, matvec: Callable[[Any], Any], b: Any) -> tuple[Any, Any]:
         """``u`` with ``matvec(u) = b``, by the chosen solver, checked (:meth:`_check_solution`)."""
-        try:
-            u = self.solve(matvec, b)
+        try:  # the check too: a lazy library (MLX) raises when the solution is first evaluated
+            return self._check_solution(matvec, self.solve(matvec, b), b)
         except Exception as err:  # a dense solve of a singular matrix: each library's own error
             text = f"{type(err).__name__}: {err}"
             if isinstance(err, AbstractDiffError) or not any(w in text.lower() for w in _SINGULAR_WORDS):
                 raise
             raise self._singular(f"the linear solve raised {text}") from err
-        return self._check_solution(matvec, u, b)
 
     def _singular(self, detail: str) -> CustomRuleError:
         return CustomRuleError(

@@ -285,10 +285,11 @@ class TorchAdapter(Adapter):
     extra = "torch"
     modules = ("torch",)
     # each fast route is the method of the operator's own name
-    fast_routes = {name: name for name in (
-        "prepare_value_and_gradient", "jacobian", "prepare_jacobian", "hvp",
-        "value_derivative_and_second_derivative", "second_derivative",
-    )}
+    fast_routes = {
+        "prepare_value_and_gradient": "prepare_value_and_gradient", "jacobian": "jacobian",
+        "prepare_jacobian": "prepare_jacobian", "hvp": "hvp", "second_derivative": "second_derivative",
+        "value_derivative_and_second_derivative": "value_derivative_and_second_derivative",
+    }
 
     def __init__(self, *, device: str = "cpu", compile: bool | str = False):
         if not isinstance(compile, (bool, str)):
@@ -750,10 +751,8 @@ class _Rule(torch.autograd.Function):
 
     @staticmethod
     def forward(rule: Any, *inputs: torch.Tensor) -> tuple:
-        if rule.has_vjp:
-            outputs, rule.residuals = rule.forward(*inputs)  # the rule is this call's own: setup_context takes them
-        else:
-            outputs = rule.value(*inputs)
+        # the rule is this call's own: setup_context takes its residuals
+        outputs, rule.residuals = rule.forward(*inputs) if rule.has_vjp else (rule.value(*inputs), None)
         # an input returned as it is must be a view of it for torch (the identity of a clipped gradient)
         return tuple(o.view_as(o) if any(o is x for x in inputs) else o for o in outputs)
 
@@ -770,12 +769,10 @@ class _Rule(torch.autograd.Function):
         rule, inputs = ctx.rule, ctx.saved_tensors
         if not rule.has_vjp:
             raise rule.no_vjp_error()
-        residuals = ctx.residuals
-        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            # a graph of the backward is being built (a second derivative): the residuals
-            # the forward made without one are made again, now depending on the inputs
-            residuals = rule.forward(*inputs)[1]
-        return None, *rule.backward(residuals, cotangents)
+        # a graph of the backward being built (a second derivative): the residuals the forward
+        # made without one are made again, now depending on the inputs
+        again = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        return None, *rule.backward(rule.forward(*inputs)[1] if again else ctx.residuals, cotangents)
 
     @staticmethod
     def jvp(ctx: Any, _rule_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
