@@ -102,6 +102,13 @@ def _library_of(inputs: list) -> Any:
     return found
 
 
+def _refusing(mode: str, message: str) -> CustomRuleError:
+    """A rule's refusal of ``mode`` (``"reverse"``, ``"forward"``): a Jacobian takes the other."""
+    err = CustomRuleError(message)
+    err.mode = mode
+    return err
+
+
 def _static_shape(a: Any) -> tuple | None:
     try:
         return shape_of(a)
@@ -304,14 +311,14 @@ class Rule:
 
     # ------------------------------------------------------------ refusals
     def no_vjp_error(self) -> CustomRuleError:
-        return CustomRuleError(
+        return _refusing("reverse",
             f"{self.name} is an ad.custom_jvp function, and the {self.backend.name} backend cannot transpose a "
             f"jvp rule into reverse mode (jax alone can): give it a reverse rule with ad.custom_vjp, or use "
             f"forward mode (pushforward, jacobian of a tall function)"
         )
 
     def no_jvp_error(self) -> CustomRuleError:
-        return CustomRuleError(
+        return _refusing("forward",
             f"{self.name} is an ad.custom_vjp function, which has no forward-mode rule, and the "
             f"{self.backend.name} backend was asked for forward mode through it: give it a jvp rule with "
             f"ad.custom_jvp, or use reverse mode (gradient, pullback)"

@@ -270,6 +270,18 @@ class DerivedOperators(AdapterHooks):
         y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
         return y, self.forward_jacobian(jvps, xs, y)
 
+    def jacobian_in_the_rules_mode(self, fn: FlatFn, xs: list, data: list, err: Exception) -> tuple[Any, list]:
+        """``(y, [J_k])`` in the mode a custom rule has, where ``err`` (its refusal of the other
+        mode, ``err.mode``) stopped the Jacobian's own route; else ``err`` is raised again."""
+        mode = getattr(err, "mode", None)
+        if mode == "reverse" and self.has_forward:
+            y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
+            return y, self.forward_jacobian(jvps, xs, y)
+        if mode == "forward" and self.has_reverse:
+            y, _, vjps = self.flat_value_and_batched_pullback(fn, xs, data)
+            return y, self.reverse_jacobian(vjps, xs, y)
+        raise err
+
     def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:
         """A prepared operator's whole call, ``(x, *args) -> result`` (``(x, v, *args)`` for
         ``hvp`` and ``gradient_and_hvp``), run by the library's own dispatcher, or ``None``

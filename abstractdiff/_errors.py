@@ -134,7 +134,14 @@ class CustomRuleError(AbstractDiffError, ValueError):
     tangents; a mode the rule does not give was asked for (forward mode through a
     ``custom_vjp``, reverse mode through a ``custom_jvp`` where the library cannot transpose
     it); ``ad.stop_gradient`` under finite differences; or ``ad.custom_root``'s linear system
-    is singular at the solution."""
+    is singular at the solution.
+
+    Attributes:
+        mode: ``"reverse"`` or ``"forward"`` where the error is a rule's refusal of that mode
+            (a Jacobian then takes the other one), else None.
+    """
+
+    mode: str | None = None
 
 
 class NonFiniteInputError(AbstractDiffError, ValueError):

@@ -33,7 +33,7 @@ import optree
 from ._arrays import check_scalar, dtype_name, shape_of
 from ._batch import Batch, BatchedPullback, BatchedPushforward
 from ._captures import CaptureWatch
-from ._errors import ShapeMismatchError
+from ._errors import CustomRuleError, ShapeMismatchError
 from ._operator_table import OPERATORS, operators_where
 from ._tree import _LEAF_ARRAY_TYPES, _LEAF_TREEDEF, FlatFunction, _static_key, is_array
 
@@ -215,7 +215,11 @@ class JacobianPrep(Preparation):
         self._run = self.backend.flat_prepare_jacobian(self.fn, xs, data)
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
-        return self.fn.unflatten_x(self._run(xs, data))
+        try:
+            jacs = self._run(xs, data)
+        except CustomRuleError as err:  # a custom rule in one mode only: the Jacobian in that one
+            jacs = self.backend.jacobian_in_the_rules_mode(self.fn, xs, data, err)[1]
+        return self.fn.unflatten_x(jacs)
 
 
 class ValueAndJacobianPrep(Preparation):
@@ -224,7 +228,10 @@ class ValueAndJacobianPrep(Preparation):
     operator = "value_and_jacobian"
 
     def run(self, xs: list, data: list, *extra: Any) -> Any:
-        y, jacs = self.backend.flat_jacobian(self.fn, xs, data)
+        try:
+            y, jacs = self.backend.flat_jacobian(self.fn, xs, data)
+        except CustomRuleError as err:  # as JacobianPrep
+            y, jacs = self.backend.jacobian_in_the_rules_mode(self.fn, xs, data, err)
         return y, self.fn.unflatten_x(jacs)
 
 

@@ -109,11 +109,13 @@ def _forward_mode(run: Callable) -> Callable:
         except TypeError as err:
             if "custom_vjp" not in str(err):
                 raise
-            raise CustomRuleError(
+            refusal = CustomRuleError(
                 f"forward mode (a pushforward, derivative or forward-over-forward) through an ad.custom_vjp "
                 f"function, which has no forward-mode rule: give it one with ad.custom_jvp, or use reverse mode "
                 f"(jax: {err})"
-            ) from None
+            )
+            refusal.mode = "forward"
+            raise refusal from None
 
     return call
 

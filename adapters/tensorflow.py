@@ -157,9 +157,9 @@ def _abstractdiff_error(err: BaseException) -> BaseException | None:
     while err is not None:
         if isinstance(err, AbstractDiffError):
             return err
-        if not hasattr(err, "ag_error_metadata"):
+        if not hasattr(err, "ag_error_metadata") and "while vectorizing" not in str(err):  # pfor's wrapping too
             return None
-        err = err.__context__
+        err = err.__cause__ or err.__context__
     return None
 
 
@@ -691,7 +691,10 @@ class TensorFlowAdapter(Adapter):
             except Exception as err:
                 mapped = _traced_value_error(err)
                 if mapped is None:
-                    raise
+                    ours = _abstractdiff_error(err)  # a custom rule's refusal, which pfor wraps
+                    if ours is None or ours is err:
+                        raise
+                    raise ours from None
                 raise mapped from err
             return list(jacs)
 

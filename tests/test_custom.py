@@ -445,3 +445,25 @@ def test_inputs_are_not_changed() -> None:
     ad.gradient(b, _three_x(), x)
     np.testing.assert_array_equal(ad.to_numpy(x), before)
     assert x.grad is None and not x.requires_grad
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_a_jacobian_takes_the_mode_the_rule_has(name: str) -> None:
+    b = _exact(name)
+
+    @ad.custom_jvp
+    def sine(x):
+        return anp.sin(x)
+
+    sine.defjvp(lambda p, t: (anp.sin(p[0]), 2 * anp.cos(p[0]) * t[0]))
+    x = b.from_numpy(X)
+    np.testing.assert_allclose(ad.to_numpy(ad.jacobian(b, sine, x)), np.diag(2 * np.cos(X)), rtol=1e-12)
+    g = _three_x()
+
+    def tall(x):  # more outputs than inputs: forward mode would be the cheaper one
+        return anp.stack([g(x), g(2 * x), g(x) + 1, g(x) * 2])
+
+    want = np.stack([3 * X, 12 * X, 3 * X, 6 * X])
+    np.testing.assert_allclose(ad.to_numpy(ad.jacobian(b, tall, x)), want, rtol=1e-12)
+    y, jac = ad.value_and_jacobian(b, sine, x)
+    np.testing.assert_allclose(ad.to_numpy(jac), np.diag(2 * np.cos(X)), rtol=1e-12)
