@@ -88,6 +88,34 @@ def cli_check_autograd():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+@check
+def custom_derivatives_on_every_exact_backend():
+    from autoray import numpy as anp
+
+    import abstractdiff as ad
+    from abstractdiff import testing
+    from abstractdiff.testing._rules import rule_scenarios
+
+    def total(a):  # a sum torch.compile traces (autoray's dispatch it cannot)
+        return anp.sum(a) if type(a).__module__.startswith("tensorflow") else a.sum()
+
+    g = ad.custom_vjp(lambda x: total(x * x))
+    g.defvjp(lambda x: (total(x * x), x), lambda x, ct: (3 * ct * x,))
+    x = np.array([0.5, -1.0, 2.0])
+    compiled = {"jax": {"compile": True}, "tensorflow": {"compile": True}, "torch": {"compile": True},
+                "mlx": {"compile": True}, "paddle": {"compile": True}, "pytensor": {}}
+    for name in ("autograd", "jax", "mlx", "paddle", "pytensor", "tensorflow", "torch"):
+        for options in ({}, compiled.get(name)):
+            if options is None:
+                continue
+            b = ad.backend(name, **options)
+            xb = b.from_numpy(x)
+            for got in (ad.gradient(b, g, xb), ad.prepare_gradient(b, g, xb)(xb)):
+                np.testing.assert_allclose(ad.to_numpy(got), 3 * x, rtol=1e-12, err_msg=f"{name} {options}")
+        report = testing.check_backend(ad.backend(name), rule_scenarios("float64"))
+        assert report.ok, report
+
+
 def main() -> int:
     failed = 0
     for f in CHECKS:
