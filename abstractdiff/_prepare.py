@@ -352,6 +352,8 @@ class Signature:
         # own arrays): a leaf of another dtype that converts alike passes too (a jax int32
         # array where numpy int64 data was prepared, jax without x64).
         self.x_native, self.data_native = ([dtype_name(v) for v in group] for group in (native or (xs, data)))
+        #: The types of the converted leaves: a leaf of one of them that matches is used as it is
+        self.native_types = frozenset(type(v) for group in (native or (xs, data)) for v in group)
 
     def mismatch(self, what: str, expected: Any, got: Any) -> ShapeMismatchError:
         return ShapeMismatchError(
@@ -365,13 +367,16 @@ class Signature:
 
     def _checked(self, leaves: list, index: tuple, raw: list, signature: list, native: list) -> list:
         out = []
-        convert = self.backend.convert
+        convert, native_types = self.backend.convert, self.native_types
         for i, (shape, dtype), sig, native_dtype in zip(index, raw, signature, native):
             leaf = leaves[i]
             try:
                 same = (shape is None or leaf.shape == shape) and leaf.dtype == dtype
             except Exception:  # a Python float, or dtypes of two libraries that do not compare
                 same = False
+            if same and type(leaf) in native_types:  # the hot path: nothing to convert
+                out.append(leaf)
+                continue
             if not same:
                 if is_array(leaf):
                     got = _signature(leaf)
