@@ -1,4 +1,4 @@
-"""The autograd adapter's ``custom_rule`` and ``stop_gradient`` hooks, checked without the core's
+"""The autograd adapter's ``custom_rule`` hook (ad.stop_gradient's rule included), checked without the core's
 custom-derivative module: ``FakeRule`` stands in for its rule object.
 
 FakeRule's ``g(x, y) = (sum(x**2) * y,)`` has deliberately wrong rules (d/dx is 3xy, not 2xy;
@@ -21,55 +21,7 @@ pytestmark = pytest.mark.filterwarnings("error")
 NO_VJP = "reverse mode needs custom_vjp"
 
 
-class FakeRule:
-    """A copy of /work/shared/helpers/fake_rule.py (the core's rule interface)."""
-
-    def __init__(self, xp, kind="vjp", sum_=None):
-        self.xp, self.kind = xp, kind
-        self.sum = sum_ or xp.sum
-        self.name = "fake_g"
-        self.has_vjp = kind == "vjp"
-        self.has_jvp = kind == "jvp"
-        self.stops_gradient = False
-        self.calls = {"forward": 0, "backward": 0, "jvp": 0}
-
-    def value(self, x, y):
-        return (self.sum(x * x) * y,)
-
-    def forward(self, x, y):
-        self.calls["forward"] += 1
-        s = self.sum(x * x)
-        return (s * y,), (x, y, s)
-
-    def backward(self, residuals, cotangents):
-        if not self.has_vjp:
-            raise self.no_vjp_error()
-        self.calls["backward"] += 1
-        x, y, s = residuals
-        (ct,) = cotangents
-        return (3 * ct * x * y, ct * s)
-
-    def jvp(self, primals, tangents):
-        if not self.has_jvp:
-            raise self.no_jvp_error()
-        self.calls["jvp"] += 1
-        x, y = primals
-        tx, ty = tangents
-        s = self.sum(x * x)
-        return (s * y,), (3 * y * self.sum(x * tx) + s * ty,)
-
-    def no_vjp_error(self):
-        return AbstractDiffError(
-            f"{self.name}: reverse mode needs custom_vjp (this library cannot transpose a custom_jvp rule)"
-        )
-
-    def no_jvp_error(self):
-        return AbstractDiffError(f"{self.name}: forward mode needs custom_jvp (custom_vjp has no forward rule)")
-
-    def second_order_error(self, library):
-        return AbstractDiffError(
-            f"{self.name}: {library} cannot differentiate this rule again (a second derivative through a custom rule)"
-        )
+from ._fake_rule import FakeRule  # noqa: E402
 
 
 class TwoOutputs(FakeRule):

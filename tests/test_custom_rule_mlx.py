@@ -1,4 +1,4 @@
-"""The mlx adapter's ``custom_rule`` and ``stop_gradient`` hooks: MLX's transforms and the
+"""The mlx adapter's ``custom_rule`` hook (ad.stop_gradient's rule included): MLX's transforms and the
 operators, eager and compiled, call the rule (deliberately wrong: d/dx is 3xy, not 2xy,
 so that a test tells the rule from a derivative of its value), in reverse and forward mode,
 under mx.vmap and to second order; a rule without a vjp refuses reverse mode with its error."""
@@ -13,53 +13,7 @@ mx = pytest.importorskip("mlx.core", reason="MLX is not installed: pip install '
 import abstractdiff as ad  # noqa: E402
 from abstractdiff._errors import AbstractDiffError  # noqa: E402
 
-
-class FakeRule:
-    """A stand-in for the core's rule object (a copy of the helpers' FakeRule): ``g(x, y) =
-    (sum(x**2) * y,)`` whose backward gives ``3 * ct * x * y`` for x and whose jvp gives
-    ``3 * y * <x, tx> + sum(x**2) * ty``; kind "vjp" has the backward only, "jvp" the jvp."""
-
-    def __init__(self, xp, kind="vjp"):
-        self.xp, self.kind, self.sum = xp, kind, xp.sum
-        self.name = "fake_g"
-        self.has_vjp = kind == "vjp"
-        self.has_jvp = kind == "jvp"
-        self.stops_gradient = False
-        self.calls = {"forward": 0, "backward": 0, "jvp": 0}
-
-    def value(self, x, y):
-        return (self.sum(x * x) * y,)
-
-    def forward(self, x, y):
-        self.calls["forward"] += 1
-        s = self.sum(x * x)
-        return (s * y,), (x, y, s)
-
-    def backward(self, residuals, cotangents):
-        if not self.has_vjp:
-            raise self.no_vjp_error()
-        self.calls["backward"] += 1
-        x, y, s = residuals
-        (ct,) = cotangents
-        return (3 * ct * x * y, ct * s)
-
-    def jvp(self, primals, tangents):
-        if not self.has_jvp:
-            raise self.no_jvp_error()
-        self.calls["jvp"] += 1
-        x, y = primals
-        tx, ty = tangents
-        s = self.sum(x * x)
-        return (s * y,), (3 * y * self.sum(x * tx) + s * ty,)
-
-    def no_vjp_error(self):
-        return AbstractDiffError(f"{self.name}: reverse mode needs custom_vjp (no transpose of a custom_jvp rule)")
-
-    def no_jvp_error(self):
-        return AbstractDiffError(f"{self.name}: forward mode needs custom_jvp (custom_vjp has no forward rule)")
-
-    def second_order_error(self, library):
-        return AbstractDiffError(f"{self.name}: {library} cannot differentiate this rule again")
+from ._fake_rule import FakeRule  # noqa: E402
 
 
 class TwoOutputs(FakeRule):

@@ -1,4 +1,4 @@
-"""The paddle adapter's ``custom_rule`` and ``stop_gradient`` hooks (PyLayer), checked with a
+"""The paddle adapter's ``custom_rule`` hook (ad.stop_gradient's rule included) (PyLayer), checked with a
 stand-in for the core's rule object whose derivatives are deliberately wrong: d/dx of
 ``sum(x**2) * y`` is ``3xy`` under the rule (``2xy`` truly), so a result shows which was used.
 
@@ -24,52 +24,7 @@ from abstractdiff.adapters.paddle import PaddleAdapter  # noqa: E402
 
 from abstractdiff._backend import AdapterBackend  # noqa: E402
 
-
-class FakeRule:
-    """The core's rule object for ``g(x, y) = (sum(x**2) * y,)`` with wrong rules (see the module)."""
-
-    def __init__(self, xp, kind="vjp", sum_=None):
-        self.xp, self.kind = xp, kind
-        self.sum = sum_ or xp.sum
-        self.name = "fake_g"
-        self.has_vjp = kind == "vjp"
-        self.has_jvp = kind == "jvp"
-        self.stops_gradient = False
-        self.calls = {"forward": 0, "backward": 0, "jvp": 0}
-
-    def value(self, x, y):
-        return (self.sum(x * x) * y,)
-
-    def forward(self, x, y):
-        self.calls["forward"] += 1
-        s = self.sum(x * x)
-        return (s * y,), (x, y, s)
-
-    def backward(self, residuals, cotangents):
-        if not self.has_vjp:
-            raise self.no_vjp_error()
-        self.calls["backward"] += 1
-        x, y, s = residuals
-        (ct,) = cotangents
-        return (3 * ct * x * y, ct * s)
-
-    def jvp(self, primals, tangents):
-        if not self.has_jvp:
-            raise self.no_jvp_error()
-        self.calls["jvp"] += 1
-        x, y = primals
-        tx, ty = tangents
-        s = self.sum(x * x)
-        return (s * y,), (3 * y * self.sum(x * tx) + s * ty,)
-
-    def no_vjp_error(self):
-        return AbstractDiffError(f"{self.name}: reverse mode needs custom_vjp (no transposed jvp rule)")
-
-    def no_jvp_error(self):
-        return AbstractDiffError(f"{self.name}: forward mode needs custom_jvp (custom_vjp has no forward rule)")
-
-    def second_order_error(self, library):
-        return AbstractDiffError(f"{self.name}: {library} cannot differentiate this rule again")
+from ._fake_rule import FakeRule  # noqa: E402
 
 
 class TwoOutputs(FakeRule):

@@ -1,6 +1,6 @@
-"""The TensorFlow adapter's ``custom_rule`` and ``stop_gradient`` hooks, with a stand-in rule.
+"""The TensorFlow adapter's ``custom_rule`` hook (ad.stop_gradient's rule included), with a stand-in rule.
 
-``FakeRule`` (a copy of the helper the core's ``Rule`` is tested against) is for
+``FakeRule`` (tests/_fake_rule.py, a stand-in for the core's ``Rule``) is for
 ``g(x, y) = (sum(x**2) * y,)`` with deliberately wrong rules: the backward gives d/dx = 3xy
 (true: 2xy) and the jvp ``3y <x, tx> + sum(x**2) ty``, so a result that follows the rule
 cannot come from differentiating the value; under the rule the Hessian in x is ``3y I``.
@@ -17,54 +17,7 @@ from abstractdiff._errors import AbstractDiffError
 tf = pytest.importorskip("tensorflow")
 
 
-class FakeRule:
-    def __init__(self, xp, kind="vjp", sum_=None):
-        self.xp, self.kind = xp, kind
-        self.sum = sum_ or xp.sum
-        self.name = "fake_g"
-        self.has_vjp = kind == "vjp"
-        self.has_jvp = kind == "jvp"
-        self.stops_gradient = False
-        self.calls = {"forward": 0, "backward": 0, "jvp": 0}
-
-    def value(self, x, y):
-        return (self.sum(x * x) * y,)
-
-    def forward(self, x, y):
-        self.calls["forward"] += 1
-        s = self.sum(x * x)
-        return (s * y,), (x, y, s)
-
-    def backward(self, residuals, cotangents):
-        if not self.has_vjp:
-            raise self.no_vjp_error()
-        self.calls["backward"] += 1
-        x, y, s = residuals
-        (ct,) = cotangents
-        return (3 * ct * x * y, ct * s)
-
-    def jvp(self, primals, tangents):
-        if not self.has_jvp:
-            raise self.no_jvp_error()
-        self.calls["jvp"] += 1
-        x, y = primals
-        tx, ty = tangents
-        s = self.sum(x * x)
-        return (s * y,), (3 * y * self.sum(x * tx) + s * ty,)
-
-    def no_vjp_error(self):
-        return AbstractDiffError(
-            f"{self.name}: reverse mode needs custom_vjp (this library cannot transpose a custom_jvp rule)"
-        )
-
-    def no_jvp_error(self):
-        return AbstractDiffError(f"{self.name}: forward mode needs custom_jvp (custom_vjp has no forward rule)")
-
-    def second_order_error(self, library):
-        return AbstractDiffError(
-            f"{self.name}: {library} cannot differentiate this rule again (a second derivative through a custom rule)"
-        )
-
+from ._fake_rule import FakeRule  # noqa: E402
 
 NO_VJP = "fake_g: reverse mode needs custom_vjp"
 X = np.array([1.0, 2.0, -0.5])
