@@ -41,7 +41,9 @@ def _concrete(a: Any) -> float | None:
     backend = current_backend()
     try:
         return float(backend.to_numpy(a) if backend is not None else a)
-    except Exception:  # each library's own error for a traced value
+    except Exception as err:  # each library's own error for a traced value
+        if any(word in f"{type(err).__name__}: {err}".lower() for word in _SINGULAR_WORDS):
+            raise  # not traced: a lazy library (MLX) evaluating a solve of a singular matrix
         return None
 
 
