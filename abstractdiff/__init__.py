@@ -108,6 +108,8 @@ _LAZY = {
     "stop_gradient": "abstractdiff._custom",
     "custom_root": "abstractdiff._implicit_diff",
     "custom_fixed_point": "abstractdiff._implicit_diff",
+    "jacobian_operator": "abstractdiff._linear_operator",
+    "hessian_operator": "abstractdiff._linear_operator",
 }
 _SUBMODULES = ("optim", "testing")
 
@@ -143,6 +145,8 @@ __all__ = [
     "Sparse",
     "jacobian_sparsity",
     "hessian_sparsity",
+    "jacobian_operator",
+    "hessian_operator",
     "Params",
     "Variable",
     "load_checkpoint",

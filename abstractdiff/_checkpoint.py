@@ -1,12 +1,17 @@
-"""Checkpoints of ``(state, model)``: one ``.npz`` file, no pickle, written atomically.
+"""Checkpoints of ``(state, model)``: one ``.npz`` or ``.safetensors`` file, no pickle, written atomically.
 
 Format: a numpy ``.npz`` archive (saved and loaded with ``allow_pickle=False``) holding
 one array per array leaf (``leaf0``, ``leaf1``...) and ``__abstractdiff__``, a JSON
 description (as bytes) of every leaf: its tree path, kind, dtype and shape, and the
 value of Python scalars such as the step counter.  Numpy's own format needs no extra
-dependency (safetensors would be one, and cannot store the Python scalars or the tree
-without a side channel either); with ``allow_pickle=False`` numpy refuses object
-arrays, so a crafted file cannot run code when loaded.
+dependency; with ``allow_pickle=False`` numpy refuses object arrays, so a crafted file
+cannot run code when loaded.
+
+A path ending in ``.safetensors`` is written in that format instead: the same tensors
+``leaf0``, ``leaf1``... and the same JSON description, as the string
+``__metadata__["__abstractdiff__"]`` of the header.  It holds bfloat16 (which ``.npz``
+cannot: numpy has no bfloat16, ml_dtypes' is stored as raw bytes without its type) and
+other tools read it.  The ``safetensors`` package is imported for such paths only.
 
 Loading validates the whole file against ``like`` before anything is converted or
 assigned, so a truncated or mismatched file raises :class:`CheckpointError` and never
@@ -34,6 +39,22 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 FORMAT = "abstractdiff-checkpoint"
 VERSION = 1
 META = "__abstractdiff__"
+SAFETENSORS = ".safetensors"
+
+
+def _is_safetensors(path: str) -> bool:
+    return path.lower().endswith(SAFETENSORS)
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.numpy
+    except ImportError as err:
+        raise ImportError(
+            "checkpoints in the .safetensors format need the safetensors package: pip install safetensors "
+            "(or save to a .npz path, which needs nothing more)"
+        ) from err
+    return safetensors
 
 
 def _ar() -> Any:
@@ -135,7 +156,9 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
     temporary file in the same directory and then renamed over ``path``
     (``os.replace``), so a crash never leaves a half-written checkpoint behind.  Works
     for explicit models (pytrees of arrays) and models holding variables.  The rule
-    itself is not stored: it comes from ``like`` when loading.
+    itself is not stored: it comes from ``like`` when loading.  A path ending in
+    ``.safetensors`` is written in that format (needs the ``safetensors`` package; it
+    holds bfloat16, which ``.npz`` cannot); any other path gets ``.npz``.
 
     Example:
         >>> import abstractdiff as ad, numpy as np, tempfile, os
@@ -149,6 +172,8 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
         (array([1., 1., 1.]), 0)
     """
     leaves, _, _ = _leaves(state, model)
+    path = os.fspath(path)
+    safetensors = _safetensors() if _is_safetensors(path) else None
     meta = {"format": FORMAT, "version": VERSION, "leaves": [_describe(leaf, i) for i, leaf in enumerate(leaves)]}
     arrays: dict[str, np.ndarray] = {}
     for entry, leaf in zip(meta["leaves"], leaves):
@@ -156,16 +181,26 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
             a = np.asarray(to_numpy(leaf.value), order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
             if a.dtype == object:
                 raise CheckpointError(f"{entry['path']}: object arrays cannot be stored in a checkpoint")
+            if entry["dtype"] == "bfloat16" and safetensors is None:
+                # np.savez would store ml_dtypes' bfloat16 as untyped bytes (void), unloadable
+                raise CheckpointError(f"{entry['path']}: bfloat16 cannot be stored in a .npz checkpoint; save to "
+                                      f"a path ending in {SAFETENSORS}")
+            if entry["dtype"] == "bfloat16" and a.dtype.name != "bfloat16":  # read out as float32: no ml_dtypes
+                raise CheckpointError(f"{entry['path']}: {entry['dtype']} arrays need ml_dtypes to be stored "
+                                      f"(pip install ml_dtypes)")
             arrays[entry["key"]] = a
-    arrays[META] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
-    path = os.fspath(path)
+    description = json.dumps(meta)
     directory = os.path.dirname(os.path.abspath(path))
     _remove_stale_temporaries(directory, os.path.basename(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
         # "xb": a fresh file, created with the user's umask (unlike mkstemp's 0600).
         with open(tmp, "xb") as f:
-            np.savez(f, allow_pickle=False, **arrays)
+            if safetensors is None:
+                arrays[META] = np.frombuffer(description.encode("utf-8"), dtype=np.uint8)
+                np.savez(f, allow_pickle=False, **arrays)
+            else:
+                f.write(safetensors.numpy.save(arrays, metadata={META: description}))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -274,8 +309,35 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     raw = arrays.pop(META, None)
     if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
         raise CheckpointError(f"{path}: no abstractdiff metadata; this .npz was not written by ad.save_checkpoint")
+    return _parse_meta(path, raw.tobytes()), arrays
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Metadata and every array of a ``.safetensors`` file, read fully; any damage is a
+    :class:`CheckpointError` (safetensors checks the header and every tensor's offsets
+    against the file's size, so truncation shows up here)."""
+    with open(path, "rb"):  # FileNotFoundError and PermissionError reach the caller as they are
+        pass
+    safe_open = _safetensors().safe_open
     try:
-        meta = json.loads(raw.tobytes().decode("utf-8"))
+        with safe_open(path, framework="np") as f:
+            header = f.metadata() or {}
+            arrays = {name: np.array(f.get_tensor(name)) for name in f.keys()}  # a copy: no mmap kept
+    except Exception as err:  # noqa: BLE001  every way a damaged file fails (SafetensorError, an unknown dtype...)
+        raise CheckpointError(
+            f"{path}: not a readable safetensors checkpoint ({type(err).__name__}: {err}); it may be truncated "
+            f"or corrupt"
+        ) from err
+    raw = header.get(META)
+    if not isinstance(raw, str):
+        raise CheckpointError(f"{path}: no abstractdiff metadata; this .safetensors file was not written by "
+                              f"ad.save_checkpoint")
+    return _parse_meta(path, raw.encode("utf-8")), arrays
+
+
+def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
+    try:
+        meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: the checkpoint metadata is corrupt ({err})") from err
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("leaves"), list)):
@@ -284,7 +346,7 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise CheckpointError(
             f"{path}: checkpoint format version {meta.get('version')!r}; this abstractdiff reads version {VERSION}"
         )
-    return meta, arrays
+    return meta
 
 
 def _to_like(a: np.ndarray, like: Any) -> Any:
@@ -292,7 +354,15 @@ def _to_like(a: np.ndarray, like: Any) -> Any:
     from ._registry import backend_for
 
     owner = backend_for(like)
-    return a if owner is None else owner.asarray_like(a, like)  # numpy (and unknown types) stay numpy
+    if owner is None:
+        return a  # numpy (and unknown types) stay numpy
+    if a.dtype.name != "bfloat16":
+        return owner.asarray_like(a, like)
+    try:  # ml_dtypes' bfloat16: jax takes it as it is, torch and others refuse it
+        return owner.asarray_like(a, like)
+    except (TypeError, ValueError, RuntimeError):
+        # float32 holds every bfloat16 value, so the cast back is exact
+        return owner.cast(owner.asarray_like(a.astype(np.float32), like), "bfloat16")
 
 
 def _mismatch(path: str, what: str) -> CheckpointError:
@@ -334,7 +404,7 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
         raise ArgumentTypeError("load_checkpoint: like must be the pair (state, model) to restore into")
     path = os.fspath(path)
     leaves, treedef, implicit = _leaves(*like)
-    meta, arrays = _read_file(path)
+    meta, arrays = _read_safetensors(path) if _is_safetensors(path) else _read_file(path)
     entries = meta["leaves"]
     if len(entries) != len(leaves):
         have = {e.get("path") for e in entries if isinstance(e, dict)}

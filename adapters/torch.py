@@ -360,7 +360,9 @@ class TorchAdapter(Adapter):
         return a.clone() if _SHARES_NUMPY.get(id(a)) is a else a
 
     def asarray_like(self, a: np.ndarray, like: Any) -> torch.Tensor:
-        t = torch.as_tensor(a, device=like.device)
+        # torch takes no ml_dtypes bfloat16: through float32, which holds every bfloat16 value
+        t = torch.as_tensor(a.astype(np.float32)).to(like.device, torch.bfloat16) if a.dtype.name == "bfloat16" \
+            else torch.as_tensor(a, device=like.device)
         return t.requires_grad_() if like.requires_grad and t.is_floating_point() else t
 
     def _tensor(self, y: Any) -> torch.Tensor:
