@@ -30,6 +30,7 @@ from ._check import (
     default_rtol,
     is_approximate,
 )
+from ._rules import rule_scenarios
 from ._scenarios import OPERATORS, Scenario, Switching, default_scenarios, scenario_names, switching_scenarios
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "default_rtol",
     "default_scenarios",
     "is_approximate",
+    "rule_scenarios",
     "scenario_names",
     "switching_scenarios",
 ]

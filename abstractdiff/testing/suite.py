@@ -51,6 +51,20 @@ def test_implicit(case: _grid.Case) -> None:
     _grid.assert_report(_grid.report_for(_grid.load(case), case.dtype))
 
 
+def test_custom_rules(agree_case: _grid.Case) -> None:
+    """The "rule used" family (``testing.rule_scenarios``): ``ad.custom_vjp``, ``ad.custom_jvp``,
+    ``ad.stop_gradient`` and ``ad.custom_root`` through the adapter's ``custom_rule`` hook."""
+    import pytest
+
+    from abstractdiff._hooks import approximates
+    from abstractdiff.testing import check_backend, rule_scenarios
+
+    b = _grid.load(agree_case)
+    if approximates(b) or not getattr(b, "has_custom_rule", False):
+        pytest.skip(f"{agree_case.backend}: no custom_rule hook (or a numerical backend, which ignores rules)")
+    _grid.assert_report(check_backend(b, rule_scenarios(agree_case.dtype)))
+
+
 def test_agrees_with_finite_differences(agree_case: _grid.Case) -> None:
     """Pairwise agreement with the finite-differences oracle (``testing.compare_backends``)."""
     from abstractdiff.testing import compare_backends
