@@ -34,7 +34,7 @@ import optree
 from ._arrays import dtype_name, shape_of
 from ._errors import ArgumentTypeError, CustomRuleError
 from ._registry import backend_for
-from ._tree import _ARRAY_TYPES, is_array, is_float_dtype
+from ._tree import _ARRAY_TYPES, BASIC_STATIC, foreign_container, is_array, is_float_dtype
 
 __all__ = [
     "Rule", "current_backend", "current_rule", "custom_jvp", "custom_vjp", "numerical_evaluation", "stop_gradient",
@@ -107,6 +107,20 @@ def _refusing(mode: str, message: str) -> CustomRuleError:
     err = CustomRuleError(message)
     err.mode = mode
     return err
+
+
+def _refuse_unflattened(name: str, leaf: Any, k: int) -> None:
+    """A container another registry knows (a ``jax.tree_util`` class): its arrays would be
+    constants to the rule, silently, so it is refused (pass its arrays, or register it)."""
+    from ._registry import pytree_registry_of
+
+    registry = foreign_container(leaf) or pytree_registry_of(leaf)
+    if registry is not None:
+        raise CustomRuleError(
+            f"{name}: argument leaf {k} is a {type(leaf).__name__} registered as a pytree node in {registry}, "
+            f"which abstractdiff does not flatten, so its arrays would get no derivative through the rule; pass "
+            f"its arrays as arguments, or register the class with ad.register_pytree_node"
+        )
 
 
 def _static_shape(a: Any) -> tuple | None:
@@ -369,6 +383,9 @@ class _CustomFunction:
             index = [i for i, a in enumerate(leaves) if _is_input(a)]
             inputs = [leaves[i] for i in index]
             backend = _library_of(inputs)
+            for i, leaf in enumerate(leaves):
+                if i not in index and not isinstance(leaf, BASIC_STATIC):
+                    _refuse_unflattened(self.__name__, leaf, i)
         running = _RUNNING.get()
         if backend is None or running is not None and running.forwarding and running.spec is self:
             # numpy: f's value, and what finite differences differentiate; or called in its own fwd

@@ -467,3 +467,19 @@ def test_a_jacobian_takes_the_mode_the_rule_has(name: str) -> None:
     np.testing.assert_allclose(ad.to_numpy(ad.jacobian(b, tall, x)), want, rtol=1e-12)
     y, jac = ad.value_and_jacobian(b, sine, x)
     np.testing.assert_allclose(ad.to_numpy(jac), np.diag(2 * np.cos(X)), rtol=1e-12)
+
+
+def test_a_container_abstractdiff_does_not_flatten_is_refused_not_made_a_constant() -> None:
+    jax = pytest.importorskip("jax")
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Pair:
+        w: object
+        b: object
+
+    g = ad.custom_vjp(lambda p: p.w * 2)
+    g.defvjp(lambda p: (p.w * 2, None), lambda _, ct: (None,))
+    with pytest.raises(ad.CustomRuleError, match="Pair registered as a pytree node.*jax"):
+        ad.gradient("jax", lambda x: anp.sum(g(Pair(x, x))), X)
