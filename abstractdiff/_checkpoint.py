@@ -50,7 +50,7 @@ def _safetensors() -> Any:
     try:
         import safetensors.numpy
     except ImportError as err:
-        raise ImportError(
+        raise CheckpointError(
             "checkpoints in the .safetensors format need the safetensors package: pip install safetensors "
             "(or save to a .npz path, which needs nothing more)"
         ) from err

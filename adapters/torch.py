@@ -361,7 +361,7 @@ class TorchAdapter(Adapter):
 
     def asarray_like(self, a: np.ndarray, like: Any) -> torch.Tensor:
         # torch takes no ml_dtypes bfloat16: through float32, which holds every bfloat16 value
-        t = torch.as_tensor(a.astype(np.float32)).to(like.device, torch.bfloat16) if a.dtype.name == "bfloat16" \
+        t = torch.as_tensor(a.astype(np.float32)).to(like.device, torch.bfloat16) if str(a.dtype) == "bfloat16" \
             else torch.as_tensor(a, device=like.device)
         return t.requires_grad_() if like.requires_grad and t.is_floating_point() else t
 
