@@ -327,3 +327,24 @@ def test_a_tensorflow_variable_given_as_x_is_not_read_late():
     v.assign([10.0, 10.0])
     close(vjp(np.ones(2)), [2.0, 4.0])
     close(jvp(np.ones(2)), [2.0, 4.0])
+
+
+@pytest.mark.parametrize("name", ["finite_differences", "autograd", "torch", "jax", "tensorflow", "mlx", "paddle",
+                                  "pytensor"])
+def test_a_jax_tree_util_class_is_refused_never_a_none_gradient(name):
+    jax = pytest.importorskip("jax")
+    import dataclasses
+
+    from abstractdiff._registry import unavailable_reason
+
+    if unavailable_reason(name) is not None:
+        pytest.skip(unavailable_reason(name))
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Pair:
+        w: object
+        b: object
+
+    with pytest.raises(ad.NonDifferentiableInputError, match="jax library's own pytree registry"):
+        ad.gradient(name, lambda p: anp.sum(p.w**2) + anp.sum(p.b), Pair(np.ones(2), np.zeros(2)))
