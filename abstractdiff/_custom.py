@@ -37,7 +37,8 @@ from ._registry import backend_for
 from ._tree import _ARRAY_TYPES, BASIC_STATIC, foreign_container, is_array, is_float_dtype
 
 __all__ = [
-    "Rule", "current_backend", "current_rule", "custom_jvp", "custom_vjp", "numerical_evaluation", "stop_gradient",
+    "Rule", "current_backend", "current_rule", "custom_jvp", "custom_vjp", "mode_refusal", "numerical_evaluation",
+    "stop_gradient",
 ]
 
 #: The name of the numerical backend evaluating ``f`` now (finite differences), or None.
@@ -102,8 +103,9 @@ def _library_of(inputs: list) -> Any:
     return found
 
 
-def _refusing(mode: str, message: str) -> CustomRuleError:
-    """A rule's refusal of ``mode`` (``"reverse"``, ``"forward"``): a Jacobian takes the other."""
+def mode_refusal(mode: str, message: str) -> CustomRuleError:
+    """A rule's refusal of ``mode`` (``"reverse"``, ``"forward"``): a Jacobian takes the other
+    (:attr:`~abstractdiff.CustomRuleError.mode`); adapters raise it where their library refuses."""
     err = CustomRuleError(message)
     err.mode = mode
     return err
@@ -325,14 +327,14 @@ class Rule:
 
     # ------------------------------------------------------------ refusals
     def no_vjp_error(self) -> CustomRuleError:
-        return _refusing("reverse",
+        return mode_refusal("reverse",
             f"{self.name} is an ad.custom_jvp function, and the {self.backend.name} backend cannot transpose a "
             f"jvp rule into reverse mode (jax alone can): give it a reverse rule with ad.custom_vjp, or use "
             f"forward mode (pushforward, jacobian of a tall function)"
         )
 
     def no_jvp_error(self) -> CustomRuleError:
-        return _refusing("forward",
+        return mode_refusal("forward",
             f"{self.name} is an ad.custom_vjp function, which has no forward-mode rule, and the "
             f"{self.backend.name} backend was asked for forward mode through it: give it a jvp rule with "
             f"ad.custom_jvp, or use reverse mode (gradient, pullback)"
@@ -380,12 +382,14 @@ class _CustomFunction:
             backend = None if type(args[0]) is np.ndarray else backend_for(args[0])
         else:
             leaves, treedef = optree.tree_flatten(args)
-            index = [i for i, a in enumerate(leaves) if _is_input(a)]
+            index = []
+            for i, leaf in enumerate(leaves):
+                if _is_input(leaf):
+                    index.append(i)
+                elif not isinstance(leaf, BASIC_STATIC):
+                    _refuse_unflattened(self.__name__, leaf, i)
             inputs = [leaves[i] for i in index]
             backend = _library_of(inputs)
-            for i, leaf in enumerate(leaves):
-                if i not in index and not isinstance(leaf, BASIC_STATIC):
-                    _refuse_unflattened(self.__name__, leaf, i)
         running = _RUNNING.get()
         if backend is None or running is not None and running.forwarding and running.spec is self:
             # numpy: f's value, and what finite differences differentiate; or called in its own fwd

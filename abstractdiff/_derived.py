@@ -267,19 +267,22 @@ class DerivedOperators(AdapterHooks):
             y, _, vjps = self.flat_value_and_batched_pullback(fn, xs, data)
             if not (self.has_forward and size_of(y) > n_in):
                 return y, self.reverse_jacobian(vjps, xs, y)
-        y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
-        return y, self.forward_jacobian(jvps, xs, y)
+        return self._jacobian_in_mode(True, fn, xs, data)
+
+    def _jacobian_in_mode(self, forward: bool, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
+        """``(y, [J_k])`` by batched pushforwards of the input basis, or batched pullbacks of the output's."""
+        if forward:
+            y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
+            return y, self.forward_jacobian(jvps, xs, y)
+        y, _, vjps = self.flat_value_and_batched_pullback(fn, xs, data)
+        return y, self.reverse_jacobian(vjps, xs, y)
 
     def jacobian_in_the_rules_mode(self, fn: FlatFn, xs: list, data: list, err: Exception) -> tuple[Any, list]:
         """``(y, [J_k])`` in the mode a custom rule has, where ``err`` (its refusal of the other
         mode, ``err.mode``) stopped the Jacobian's own route; else ``err`` is raised again."""
         mode = getattr(err, "mode", None)
-        if mode == "reverse" and self.has_forward:
-            y, _, jvps = self.flat_value_and_batched_pushforward(fn, xs, data)
-            return y, self.forward_jacobian(jvps, xs, y)
-        if mode == "forward" and self.has_reverse:
-            y, _, vjps = self.flat_value_and_batched_pullback(fn, xs, data)
-            return y, self.reverse_jacobian(vjps, xs, y)
+        if mode == "reverse" and self.has_forward or mode == "forward" and self.has_reverse:
+            return self._jacobian_in_mode(mode == "reverse", fn, xs, data)
         raise err
 
     def direct_prepared(self, prepared: Any, xs: list, data: list) -> Callable[..., Any] | None:

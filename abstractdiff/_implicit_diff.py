@@ -47,6 +47,12 @@ def _concrete(a: Any) -> float | None:
         return None
 
 
+def _eps(a: Any) -> float:
+    """The machine epsilon of ``a``'s float dtype (bfloat16: float32's, which numpy knows)."""
+    name = ar().get_dtype_name(a)
+    return float(np.finfo(np.dtype("float32" if name == "bfloat16" else name)).eps)
+
+
 def _safe_div(a: Any, b: Any) -> Any:
     """``a / b``, and 0 where ``b`` is 0 (BiCGSTAB's scalars once it has converged, under a trace)."""
     # abs(b) > 0 rather than b == 0: PyTensor's == compares variables, not values
@@ -64,9 +70,7 @@ def bicgstab(matvec: Callable[[Any], Any], b: Any, *, tol: float | None = None, 
     """
     n = shape_of(b)[0]
     maxiter = maxiter if maxiter is not None else min(2 * n + 2, 200)
-    name = ar().get_dtype_name(b)
-    tol = tol if tol is not None else max(float(np.finfo(np.dtype("float32" if name == "bfloat16" else name)).eps)
-                                          * 100, 1e-14)
+    tol = tol if tol is not None else max(_eps(b) * 100, 1e-14)
     bb = _dot(b, b)
     bnorm = _concrete(bb)
     if bnorm == 0.0:
@@ -248,7 +252,7 @@ class _ImplicitSolver:
         the solution does not solve the system (else 0), for the backward to add to its
         cotangents: the caller sees ``nan``.  On concrete arrays it is None."""
         name = ar().get_dtype_name(b)
-        loose = max(float(np.finfo(np.dtype("float32" if name == "bfloat16" else name)).eps) ** 0.5, 1e-6)
+        loose = max(_eps(b) ** 0.5, 1e-6)
         r = matvec(u) - b
         rr, bb = _dot(r, r), _dot(b, b)
         rnorm, bnorm = _concrete(rr), _concrete(bb)

@@ -30,7 +30,8 @@ import numpy as np
 
 from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._compose import ForeignKernel, boundary_error
-from abstractdiff._errors import ArgumentTypeError, CompositionError, CustomRuleError, TracedControlFlowError
+from abstractdiff._custom import mode_refusal
+from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
 from abstractdiff._tree import AuxStatics, HasArtefacts, _static_key, artefacts
 from abstractdiff.protocol import Adapter
 
@@ -81,9 +82,9 @@ def _padded(v: Any, size: int) -> Any:
     return v if v.shape[0] == size else jnp.pad(v, (0, size - v.shape[0]))
 
 
-def _or_reverse(forward: Callable, reverse: Callable) -> Callable:
-    """``forward``, or ``reverse`` where jax has no forward mode through the function (an
-    ``ad.custom_vjp`` in it): its Jacobians and Hessians are then the rule's, by reverse mode."""
+def _without_forward_rule(forward: Callable, otherwise: Callable) -> Callable:
+    """``forward``, or ``otherwise(err, *args)`` where jax refuses forward mode through the
+    function (``err``: an ``ad.custom_vjp`` in it has no forward-mode rule)."""
 
     def call(*args: Any) -> Any:
         try:
@@ -91,33 +92,28 @@ def _or_reverse(forward: Callable, reverse: Callable) -> Callable:
         except TypeError as err:
             if "custom_vjp" not in str(err):
                 raise
-            return reverse(*args)
+            return otherwise(err, *args)
 
     return call
 
 
 def _jacfwd(f: Callable, **options: Any) -> Callable:
-    return _or_reverse(jax.jacfwd(f, **options), jax.jacrev(f, **options))
+    # a Jacobian or Hessian through a custom_vjp: the rule's, by reverse mode
+    reverse = jax.jacrev(f, **options)
+    return _without_forward_rule(jax.jacfwd(f, **options), lambda _, *args: reverse(*args))
+
+
+def _refuse_forward_mode(err: TypeError, *_: Any) -> Any:
+    raise mode_refusal("forward", (
+        f"forward mode (a pushforward, derivative or forward-over-forward) through an ad.custom_vjp "
+        f"function, which has no forward-mode rule: give it one with ad.custom_jvp, or use reverse mode "
+        f"(jax: {err})"
+    )) from None
 
 
 def _forward_mode(run: Callable) -> Callable:
     """``run`` with jax's refusal of forward mode through a custom_vjp as the core's error."""
-
-    def call(*args: Any) -> Any:
-        try:
-            return run(*args)
-        except TypeError as err:
-            if "custom_vjp" not in str(err):
-                raise
-            refusal = CustomRuleError(
-                f"forward mode (a pushforward, derivative or forward-over-forward) through an ad.custom_vjp "
-                f"function, which has no forward-mode rule: give it one with ad.custom_jvp, or use reverse mode "
-                f"(jax: {err})"
-            )
-            refusal.mode = "forward"
-            raise refusal from None
-
-    return call
+    return _without_forward_rule(run, _refuse_forward_mode)
 
 
 def _hvp(grad: Callable, xs: list, data: list, ts: list) -> tuple:
@@ -129,7 +125,7 @@ def _hvp(grad: Callable, xs: list, data: list, ts: list) -> tuple:
         g, pullback = jax.vjp(lambda xs: grad(xs, data), xs)
         return g, pullback(ts)[0]
 
-    return _or_reverse(forward, reverse)()
+    return _without_forward_rule(forward, lambda _: reverse())()
 
 
 def _second_order_error(kernel: Any) -> CompositionError:

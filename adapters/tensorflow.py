@@ -163,6 +163,18 @@ def _abstractdiff_error(err: BaseException) -> BaseException | None:
     return None
 
 
+def _graph_boundary(outputs: list, grad: Callable) -> Callable:
+    """A custom rule's ``outputs`` as a ``tf.custom_gradient`` of its inputs whose gradient is
+    ``grad``: the graph's own gradient (IdentityN), for the symbolic gradients of a
+    tf.function called under a tape and for tf.gradients (made in graphs only)."""
+
+    @tf.custom_gradient
+    def boundary(*_: Any) -> tuple:
+        return [tf.identity(o) for o in outputs], grad
+
+    return boundary
+
+
 def _differentiated(x: Any) -> bool:
     """Whether a tape or a forward accumulator is watching ``x`` now (TensorFlow's own test
     for whether a function's gradient may be differentiated again)."""
@@ -551,12 +563,9 @@ class TensorFlowAdapter(Adapter):
             def jvp(*tangents: Any) -> list:  # TensorFlow passes zeros for a missing tangent
                 return list(rule.jvp(tuple(inputs), tangents)[1])
 
-            @tf.custom_gradient
-            def boundary(*_: Any) -> tuple:
-                return [tf.identity(o) for o in outputs], grad
-
             with _record.stop_recording():  # eager: new tensors for the recorded op, nothing more
-                results = [tf.identity(o) for o in outputs] if tf.executing_eagerly() else boundary(*inputs)
+                results = [tf.identity(o) for o in outputs] if tf.executing_eagerly() else \
+                    _graph_boundary(outputs, grad)(*inputs)
             _record.record_operation(rule.name, results, inputs, grad, jvp if rule.has_jvp else None)
             return tuple(results)
 

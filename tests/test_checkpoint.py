@@ -194,25 +194,34 @@ def test_zero_dimensional_arrays_round_trip(tmp_path):
 
 
 # ------------------------------------------------------------------ atomic writes
-def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+def _writer(suffix):
+    """The module and function that write a checkpoint of ``suffix``: what a failed save patches."""
+    if suffix == ".safetensors":
+        return pytest.importorskip("safetensors.numpy"), "save"
+    return np, "savez"
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path, monkeypatch, suffix):
+    module, writer = _writer(suffix)
     state, model = trained()
-    path = tmp_path / "ckpt.npz"
+    path = tmp_path / f"ckpt{suffix}"
     ad.save_checkpoint(path, state, model)
     before = path.read_bytes()
     state2, model2 = trained(steps=5)
     ad.save_checkpoint(path, state2, model2)  # overwriting works
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    assert os.listdir(tmp_path) == [path.name]
     after = path.read_bytes()
     assert after != before
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", fail)
+    monkeypatch.setattr(module, writer, fail)
     with pytest.raises(OSError, match="disk full"):
         ad.save_checkpoint(path, state, model)
     assert path.read_bytes() == after, "a failed save must not touch the existing checkpoint"
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    assert os.listdir(tmp_path) == [path.name]
 
 
 # ------------------------------------------------------------------ refusing bad files
@@ -232,13 +241,15 @@ def test_truncated_file_is_refused(tmp_path):
             ad.load_checkpoint(path, like=like_of())
 
 
-def test_truncated_file_does_not_touch_variables(tmp_path):
+@pytest.mark.parametrize("suffix, cut", [(".npz", 40), (".safetensors", 10)])
+def test_truncated_file_does_not_touch_variables(tmp_path, suffix, cut):
+    _writer(suffix)  # skips where the format's package is missing
     b = ad.Implicit("finite_differences")
     vs = ad.variables({"w": np.zeros(3)}, b)
     state, vs = trained(b, model=vs)
-    path = tmp_path / "c.npz"
+    path = tmp_path / f"c{suffix}"
     ad.save_checkpoint(path, state, vs)
-    path.write_bytes(path.read_bytes()[:-40])
+    path.write_bytes(path.read_bytes()[:-cut])
     other = ad.variables({"w": np.full(3, 9.0)}, b)
     with pytest.raises(ad.CheckpointError):
         ad.load_checkpoint(path, like=(optim.setup(state.rule, other), other))
