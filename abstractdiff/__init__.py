@@ -29,6 +29,7 @@ from ._errors import (
     FiniteDifferenceAccuracyError,
     InvalidArgumentError,
     InvalidOutputError,
+    LoopDerivativeError,
     ModeMismatchError,
     NonDifferentiableInputError,
     NonFiniteError,
@@ -102,6 +103,12 @@ _LAZY = {
     "save_checkpoint": "abstractdiff._checkpoint",
     "load_checkpoint": "abstractdiff._checkpoint",
     "StepInfo": "abstractdiff._train",
+    "EpochInfo": "abstractdiff._train",
+    "History": "abstractdiff._train",
+    "TrainResult": "abstractdiff._train",
+    "Callback": "abstractdiff.callbacks",
+    "EarlyStopping": "abstractdiff.callbacks",
+    "Checkpoint": "abstractdiff.callbacks",
     "DataParallel": "abstractdiff._distributed",
     "custom_vjp": "abstractdiff._custom",
     "custom_jvp": "abstractdiff._custom",
@@ -110,8 +117,11 @@ _LAZY = {
     "custom_fixed_point": "abstractdiff._implicit_diff",
     "jacobian_operator": "abstractdiff._linear_operator",
     "hessian_operator": "abstractdiff._linear_operator",
+    "fori_loop": "abstractdiff._loops",
+    "scan": "abstractdiff._loops",
+    "while_loop": "abstractdiff._loops",
 }
-_SUBMODULES = ("optim", "testing")
+_SUBMODULES = ("optim", "testing", "callbacks")
 
 
 def __getattr__(name: str):
@@ -152,6 +162,12 @@ __all__ = [
     "load_checkpoint",
     "optim",
     "StepInfo",
+    "EpochInfo",
+    "History",
+    "TrainResult",
+    "Callback",
+    "EarlyStopping",
+    "Checkpoint",
     "save_checkpoint",
     "testing",
     "train",
@@ -170,6 +186,10 @@ __all__ = [
     "DeviceError",
     "DistributedError",
     "InvalidOutputError",
+    "LoopDerivativeError",
+    "fori_loop",
+    "scan",
+    "while_loop",
     "ModeMismatchError",
     "NonDifferentiableInputError",
     "NonFiniteError",

@@ -20,9 +20,9 @@ import types
 from typing import Any, Callable
 
 import numpy as np
-import optree
 
 from . import _prepare as _prep
+from . import _pytree as pytree
 from ._arrays import check_scalar, dtype_name, shape_of, size_of
 from ._batch import Batch
 from ._captures import capture_guard
@@ -129,7 +129,7 @@ class Backend(DerivedOperators):
             raise ArgumentTypeError(f"f must be callable, got {type(f).__name__}")
         fn, xs, data = flatten_call(self._plans, f, x, args, has_aux, self.reuses_traces, self._check_static)
         if not xs:
-            kinds = sorted({type(v).__name__ + (f"[{v.dtype}]" if is_array(v) else "") for v in optree.tree_leaves(x)})
+            kinds = sorted({type(v).__name__ + (f"[{v.dtype}]" if is_array(v) else "") for v in pytree.tree_leaves(x)})
             raise NonDifferentiableInputError(
                 f"x has no floating-point leaf to differentiate (its leaves are: "
                 f"{', '.join(kinds) or 'none'}); pass float arrays (e.g. "
@@ -145,12 +145,6 @@ class Backend(DerivedOperators):
         if isinstance(leaf, BASIC_STATIC):
             return
         registry = foreign_container(leaf)
-        if registry is None and self.is_pytree_node(leaf):
-            registry = f"the {self.name} library's own pytree registry"
-        if registry is None:  # another imported library's registry (jax.tree_util on the torch backend)
-            from ._registry import pytree_registry_of
-
-            registry = pytree_registry_of(leaf)
         if registry is not None:
             raise unflattened_container_error(leaf, where, registry)
 
@@ -179,7 +173,7 @@ class Backend(DerivedOperators):
         try:
             leaves = fn.x_treedef.flatten_up_to(dx)
         except (ValueError, TypeError) as err:
-            got = optree.tree_structure(dx)
+            got = pytree.tree_structure(dx)
             raise ShapeMismatchError(
                 f"{what} must have the structure of x, {fn.x_treedef}, but has {got}"
             ) from err
@@ -415,6 +409,7 @@ class AdapterBackend(Backend):
         adapter.backend = self  # the core's services the adapter calls (complete, artefacts' keys)
         for hook in _ADAPTER_HOOKS:
             setattr(self, hook, getattr(adapter, hook))
+        self.loops = getattr(adapter, "loops", None)  # the loop hooks object (ad.scan...), set by the adapter
         if adapter.variables is not None:
             for hook in _VARIABLE_HOOKS:
                 if hasattr(adapter.variables, hook):

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Iterator, overload
 
-import optree
-
+from . import _pytree as pytree
 from ._arrays import ar, dtype_name, shape_of
 from ._errors import InvalidArgumentError, ShapeMismatchError
 from ._tree import is_array
@@ -71,7 +70,7 @@ class Batch(Sequence):
             ShapeMismatchError: the array leaves do not share a leading axis (or one is a scalar).
             InvalidArgumentError: the tree has no array leaf, or the batch axis has length 0.
         """
-        leaves = optree.tree_leaves(tree)
+        leaves = pytree.tree_leaves(tree)
         arrays = [leaf for leaf in leaves if is_array(leaf)]
         if not arrays:
             raise InvalidArgumentError(
@@ -104,10 +103,10 @@ class Batch(Sequence):
         """
         if self._stacked is None:
             members = self._members or ()
-            leaves0, treedef = optree.tree_flatten(members[0])
+            leaves0, treedef = pytree.tree_flatten(members[0])
             columns: list[list[Any]] = [[leaf] for leaf in leaves0]
             for j, member in enumerate(members[1:], start=1):
-                leaves, other = optree.tree_flatten(member)
+                leaves, other = pytree.tree_flatten(member)
                 if other != treedef:
                     raise ShapeMismatchError(f"Batch member {j} has structure {other}, member 0 has {treedef}")
                 for i, leaf in enumerate(leaves):
@@ -117,13 +116,13 @@ class Batch(Sequence):
                             f"{shape_of(leaves0[i])}"
                         )
                     columns[i].append(leaf)
-            self._stacked = optree.tree_unflatten(treedef, [_stack(column) for column in columns])
+            self._stacked = pytree.tree_unflatten(treedef, [_stack(column) for column in columns])
         return self._stacked
 
     def _member(self, i: int) -> Any:
         if self._members is not None:
             return self._members[i]
-        return optree.tree_map(lambda leaf: leaf[i] if _batch_axis(leaf) is not None else leaf, self._stacked)
+        return pytree.tree_map(lambda leaf: leaf[i] if _batch_axis(leaf) is not None else leaf, self._stacked)
 
     # ------------------------------------------------------------------ sequence
     def __len__(self) -> int:
@@ -178,7 +177,7 @@ def stacked_tangents(b: Any, fn: Any, xs: list, batch: Batch) -> list:
     except (ValueError, TypeError) as err:
         raise ShapeMismatchError(
             f"a stacked Batch of tangents must have the structure of x, {fn.x_treedef}, but has "
-            f"{optree.tree_structure(tree)}"
+            f"{pytree.tree_structure(tree)}"
         ) from err
     out = []
     for i, x in zip(fn.diff_index, xs):

@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from . import optim
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CheckpointError
@@ -103,7 +103,7 @@ def _model_variables(model: Any) -> list[tuple[str, Any]]:
             seen.add(id(var))
             found.append((name, var))
 
-    for leaf in optree.tree_leaves(model, is_leaf=is_variable_or_model):
+    for leaf in pytree.tree_leaves(model, is_leaf=is_variable_or_model):
         owner = backend_for(leaf)
         state = None if owner is None else owner.model_state(leaf)
         if state is not None:
@@ -120,7 +120,7 @@ def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
     if not isinstance(state, optim.OptState):
         raise ArgumentTypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
     implicit = optim.holds_variables(model)
-    paths, values, treedef = optree.tree_flatten_with_path(state)
+    paths, values, treedef = pytree.tree_flatten_with_path(state)
     leaves = [_Leaf("state/" + _path_str(p), v) for p, v in zip(paths, values)]
     if implicit:
         # "variable{i}" as before, so that checkpoints of models without frozen variables
@@ -128,7 +128,7 @@ def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
         for i, (name, var) in enumerate(_model_variables(model)):
             leaves.append(_Leaf(f"model/variable{i}", optim.read(var), var, name))
     else:
-        paths, values, _ = optree.tree_flatten_with_path(model)
+        paths, values, _ = pytree.tree_flatten_with_path(model)
         leaves += [_Leaf("model/" + _path_str(p), v) for p, v in zip(paths, values)]
     return leaves, treedef, implicit
 
@@ -454,7 +454,7 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
     # Everything matched: convert all, then assign, so a failure cannot half-load.
     converted = [_to_like(v, leaf.value) if isinstance(v, np.ndarray) else v for v, leaf in zip(new_values, leaves)]
     n_state = treedef.num_leaves
-    state = optree.tree_unflatten(treedef, converted[:n_state])
+    state = pytree.tree_unflatten(treedef, converted[:n_state])
     model = like[1]
     if implicit:
         for leaf, value in zip(leaves[n_state:], converted[n_state:]):
@@ -462,5 +462,5 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
         if state.implicit:  # the loaded state belongs to the model it was loaded into
             state = state._replace(variables=optim.SetUpFor(optim.params_of(model)))
     else:
-        model = optree.tree_unflatten(optree.tree_structure(model), converted[n_state:])
+        model = pytree.tree_unflatten(pytree.tree_structure(model), converted[n_state:])
     return state, model

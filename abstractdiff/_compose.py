@@ -45,8 +45,8 @@ import math
 from typing import Any, Callable
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from ._arrays import ar, dtype_name, shape_of
 from ._cache import WeakLRU, value_key
 from ._convert import content_of
@@ -71,7 +71,7 @@ class ForeignKernel:
     def __init__(self, owner: DifferentiateWith, x: Any, args: tuple, in_dtype: str, probe: np.ndarray | None):
         self.owner = owner
         self.backend = owner.backend
-        leaves, self.x_treedef = optree.tree_flatten(x)
+        leaves, self.x_treedef = pytree.tree_flatten(x)
         self.float_index = [i for i, leaf in enumerate(leaves) if is_float_leaf(leaf)]
         self.template = list(leaves)
         self.in_shapes = [tuple(np.shape(leaves[i])) for i in self.float_index]
@@ -79,7 +79,7 @@ class ForeignKernel:
         self.in_size = sum(self.in_sizes)
         self.in_dtype = in_dtype
         self.args = args
-        out_leaves, self.out_treedef = optree.tree_flatten(self._probe(probe))
+        out_leaves, self.out_treedef = pytree.tree_flatten(self._probe(probe))
         for leaf in out_leaves:
             if not is_float_leaf(leaf):
                 raise NonDifferentiableInputError(
@@ -127,7 +127,7 @@ class ForeignKernel:
             part = flat if size == self.in_size else flat[start : start + size]  # a jax slice copies
             leaves[i] = part if shape == (size,) else a.do("reshape", part, shape)
             start += size
-        return optree.tree_unflatten(self.x_treedef, leaves)
+        return pytree.tree_unflatten(self.x_treedef, leaves)
 
     def _tree_out(self, flat: Any) -> Any:
         return self.owner.f(self._rebuild(flat), *self.args)
@@ -135,7 +135,7 @@ class ForeignKernel:
     def _flat_out(self, flat: Any) -> Any:
         """The kernel's outputs raveled into one vector (in the kernel backend's arrays)."""
         a = ar()
-        leaves = optree.tree_leaves(self._tree_out(flat))
+        leaves = pytree.tree_leaves(self._tree_out(flat))
         parts = [leaf if getattr(leaf, "ndim", None) == 1 else a.do("reshape", leaf, (-1,)) for leaf in leaves]
         if len(parts) == 1:
             return parts[0]
@@ -235,7 +235,7 @@ class ForeignKernel:
                 leaf = a.do("astype", leaf, dtype)
             leaves.append(leaf)
             start += size
-        return optree.tree_unflatten(self.out_treedef, leaves)
+        return pytree.tree_unflatten(self.out_treedef, leaves)
 
     def boundary(self, caller: Any) -> Callable[[Any], Any]:
         """The kernel as a function of one flat array of ``caller``'s library (built once per
@@ -358,7 +358,7 @@ class DifferentiateWith:
         """The :class:`ForeignKernel` for ``x``'s structure, float shapes and dtype, and the
         values of everything else: ``x``'s other leaves and ``args``, by
         :func:`abstractdiff._cache.value_key` (arrays by content, other objects by identity)."""
-        leaves, treedef = optree.tree_flatten(x)
+        leaves, treedef = pytree.tree_flatten(x)
         static_alive: list[Any] = []
         args_alive: list[Any] = []
         key = (
@@ -382,7 +382,7 @@ class DifferentiateWith:
     def __call__(self, x: Any, *args: Any) -> Any:
         from ._registry import backend_for
 
-        leaves = optree.tree_leaves(x)
+        leaves = pytree.tree_leaves(x)
         floats = [v for v in leaves if is_float_leaf(v)]
         if not floats:
             raise NonDifferentiableInputError(
@@ -407,7 +407,7 @@ class DifferentiateWith:
         if caller is None:  # numpy (or a library no backend claims): values only
             flats = [np.reshape(np.asarray(v, in_dtype), (-1,)) for v in floats]
             flat = flats[0] if len(flats) == 1 else np.concatenate(flats)  # one leaf: no copy
-            return optree.tree_map(np.asarray, _split_numpy(kernel, kernel.value(flat)))
+            return pytree.tree_map(np.asarray, _split_numpy(kernel, kernel.value(flat)))
         a = ar()
         flat = a.do("reshape", floats[0], (-1,)) if len(floats) == 1 else a.do(
             "concatenate", [a.do("reshape", v, (-1,)) for v in floats]
@@ -448,7 +448,7 @@ def _snapshot(kernel_backend: Any, tree: Any) -> Any:
             return lib.snapshot(v)
         return kernel_backend.asarray(np.array(content_of(v)))
 
-    return optree.tree_map(leaf, tree)
+    return pytree.tree_map(leaf, tree)
 
 
 def _flat_values(leaves: list, dtype: str) -> np.ndarray | None:
@@ -468,7 +468,7 @@ def _split_numpy(kernel: ForeignKernel, flat: np.ndarray) -> Any:
     for shape, size, dtype in zip(kernel.out_shapes, kernel.out_sizes, kernel.out_dtypes):
         leaves.append(flat[start : start + size].reshape(shape).astype(dtype, copy=False))
         start += size
-    return optree.tree_unflatten(kernel.out_treedef, leaves)
+    return pytree.tree_unflatten(kernel.out_treedef, leaves)
 
 
 def _shapes_only(x: Any) -> Any:
@@ -480,7 +480,7 @@ def _shapes_only(x: Any) -> Any:
             return np.zeros(_shape(v))
         return v
 
-    return optree.tree_map(leaf, x)
+    return pytree.tree_map(leaf, x)
 
 
 def differentiate_with(f: Callable[..., Any], backend: Any) -> DifferentiateWith:

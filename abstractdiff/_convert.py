@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import optree
+
+from . import _pytree as pytree
 
 __all__ = ["to_numpy"]
 
@@ -43,7 +44,7 @@ def to_numpy(tree: Any) -> Any:
         >>> ad.to_numpy({"w": np.ones(2), "n": 3})
         {'w': array([1., 1.]), 'n': 3}
     """
-    return optree.tree_map(_leaf_to_numpy, tree)
+    return pytree.tree_map(_leaf_to_numpy, tree)
 
 
 def content_of(a: Any) -> np.ndarray | None:

@@ -29,8 +29,8 @@ import functools
 from typing import Any, Callable
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from ._arrays import dtype_name, shape_of
 from ._errors import ArgumentTypeError, CustomRuleError
 from ._registry import backend_for
@@ -46,8 +46,8 @@ _NUMERICAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("abstrac
 #: The rule whose ``fwd``, ``bwd`` or ``jvp`` runs now (for rules that call operators).
 _RUNNING: contextvars.ContextVar[Any] = contextvars.ContextVar("abstractdiff_running_rule", default=None)
 #: The structure of one leaf (an output that is one array), and of one positional argument that is.
-_ONE_LEAF = optree.tree_structure(0)
-_ONE_ARGUMENT = optree.tree_structure((0,))
+_ONE_LEAF = pytree.tree_structure(0)
+_ONE_ARGUMENT = pytree.tree_structure((0,))
 
 
 class numerical_evaluation:
@@ -112,11 +112,9 @@ def mode_refusal(mode: str, message: str) -> CustomRuleError:
 
 
 def _refuse_unflattened(name: str, leaf: Any, k: int) -> None:
-    """A container another registry knows (a ``jax.tree_util`` class): its arrays would be
+    """A container only another optree namespace knows: its arrays would be
     constants to the rule, silently, so it is refused (pass its arrays, or register it)."""
-    from ._registry import pytree_registry_of
-
-    registry = foreign_container(leaf) or pytree_registry_of(leaf)
+    registry = foreign_container(leaf)
     if registry is not None:
         raise CustomRuleError(
             f"{name}: argument leaf {k} is a {type(leaf).__name__} registered as a pytree node in {registry}, "
@@ -160,7 +158,7 @@ class Rule:
         self._flat = len(index) == len(args) and treedef.num_nodes == len(args) + 1  # a tuple of arrays
         self.forwarding = False  # while the user's fwd runs (see _CustomFunction.__call__)
         # the outputs' structure, known once the function has run (stop_gradient's: its inputs')
-        self.out_treedef: Any = optree.tree_structure((0,) * len(index)) if self.stops_gradient else None
+        self.out_treedef: Any = pytree.tree_structure((0,) * len(index)) if self.stops_gradient else None
 
     # ------------------------------------------------------------ the pytrees
     def _rebuild(self, values: tuple, constants: bool = True) -> tuple:
@@ -171,13 +169,13 @@ class Rule:
         leaves = list(self._leaves) if constants else [None] * len(self._leaves)
         for i, a in zip(self._index, values):
             leaves[i] = a
-        return optree.tree_unflatten(self._treedef, leaves)
+        return pytree.tree_unflatten(self._treedef, leaves)
 
     def _outputs(self, out: Any, what: str) -> tuple:
         if (self.out_treedef is None or self.out_treedef is _ONE_LEAF) and _is_input(out):
             self.out_treedef = _ONE_LEAF  # the common case: one float array
             return (out,)
-        leaves, treedef = optree.tree_flatten(out)
+        leaves, treedef = pytree.tree_flatten(out)
         for leaf in leaves:
             if not _is_input(leaf):
                 raise CustomRuleError(
@@ -259,7 +257,7 @@ class Rule:
         """One cotangent per input (float leaf), from the user's ``bwd``, checked."""
         if not self.has_vjp:
             raise self.no_vjp_error()
-        ct = cotangents[0] if self.out_treedef is _ONE_LEAF else optree.tree_unflatten(self.out_treedef,
+        ct = cotangents[0] if self.out_treedef is _ONE_LEAF else pytree.tree_unflatten(self.out_treedef,
                                                                                         list(cotangents))
         token = _RUNNING.set(self)
         try:
@@ -381,7 +379,7 @@ class _CustomFunction:
             inputs = leaves
             backend = None if type(args[0]) is np.ndarray else backend_for(args[0])
         else:
-            leaves, treedef = optree.tree_flatten(args)
+            leaves, treedef = pytree.tree_flatten(args)
             index = []
             for i, leaf in enumerate(leaves):
                 if _is_input(leaf):
@@ -404,7 +402,7 @@ class _CustomFunction:
                 f"derivatives cannot be used with its arrays (see the adapter guide)"
             ) from None
         outputs = function(*inputs)
-        return optree.tree_unflatten(rule.out_treedef, list(outputs))
+        return pytree.tree_unflatten(rule.out_treedef, list(outputs))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         return self if obj is None else functools.partial(self, obj)  # a method: self is an argument
@@ -517,7 +515,7 @@ def stop_gradient(x: Any) -> Any:
         >>> ad.stop_gradient({"w": np.ones(2)})["w"]
         array([1., 1.])
     """
-    leaves, treedef = optree.tree_flatten(x)
+    leaves, treedef = pytree.tree_flatten(x)
     index = [i for i, a in enumerate(leaves) if _is_input(a) or isinstance(a, float)]
     numerical = _NUMERICAL.get()
     if numerical is not None and index:
@@ -532,4 +530,4 @@ def stop_gradient(x: Any) -> Any:
     stopped = _STOPPED(*[leaves[i] for i in index])
     for i, a in zip(index, stopped):
         leaves[i] = a
-    return optree.tree_unflatten(treedef, leaves)
+    return pytree.tree_unflatten(treedef, leaves)

@@ -19,8 +19,7 @@ import math
 import os
 from typing import Any, Callable
 
-import optree
-
+from . import _pytree as pytree
 from . import optim
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, DistributedError, InvalidArgumentError
@@ -125,7 +124,7 @@ def shard_batch(batch: Any, rank: int, world_size: int, uneven: str = "weight") 
         >>> x, scale, share, n
         (array([3., 4.]), 2.0, 0.4, 5)
     """
-    leaves, treedef = optree.tree_flatten(batch)
+    leaves, treedef = pytree.tree_flatten(batch)
     sizes = {n for n in (_leading(a) for a in leaves if is_array(a)) if n is not None}
     if not sizes:
         raise InvalidArgumentError(
@@ -149,7 +148,7 @@ def shard_batch(batch: Any, rank: int, world_size: int, uneven: str = "weight") 
         )
     rows = shard_rows(n, rank, world_size)
     mine = [a[rows] if is_array(a) and _leading(a) is not None else a for a in leaves]
-    return optree.tree_unflatten(treedef, mine), (rows.stop - rows.start) / n, n
+    return pytree.tree_unflatten(treedef, mine), (rows.stop - rows.start) / n, n
 
 
 class DataParallel:
@@ -346,6 +345,6 @@ def _same_device(a: Any, b: Any) -> bool:
 
 def describe(tree: Any) -> list[Any]:
     """Structure, shapes and dtypes of a model, comparable across processes."""
-    leaves, treedef = optree.tree_flatten(tree)
+    leaves, treedef = pytree.tree_flatten(tree)
     return [str(treedef), [(tuple(int(d) for d in a.shape), _dtype_name(a)) if is_array(a) else repr(a)
                            for a in leaves]]

@@ -22,6 +22,7 @@ __all__ = [
     "DeviceError",
     "DistributedError",
     "InvalidOutputError",
+    "LoopDerivativeError",
     "ModeMismatchError",
     "NonDifferentiableInputError",
     "NonFiniteError",
@@ -126,6 +127,12 @@ class CompositionError(AbstractDiffError, NotImplementedError):
     """A composition of libraries abstractdiff cannot differentiate: a derivative
     :func:`abstractdiff.differentiate_with`'s boundary does not carry (a third one, a second
     one from jax or tensorflow code), or a pair with no route."""
+
+
+class LoopDerivativeError(AbstractDiffError, NotImplementedError):
+    """A derivative a loop cannot give on its library: reverse mode through
+    :func:`abstractdiff.while_loop` where the library cannot reverse a loop of unknown length
+    (jax); :func:`abstractdiff.fori_loop` with a bound, or forward mode, can."""
 
 
 class CustomRuleError(AbstractDiffError, ValueError):

@@ -84,7 +84,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "from_dlpack", "numpy_view",
     ),
     "devices": ("devices", "normalise_device"),
-    "pytrees": ("is_pytree_node",),
+    "pytrees": ("pytree_node",),
     "variables": (
         "is_variable",
         "check_variable",
@@ -100,6 +100,8 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "implicit_value_and_pullback",
     ),
     "composition": ("custom_function", "foreign_function", "custom_rule"),
+    # an object with fori_loop, scan and while_loop (ad.fori_loop... on the library's loops)
+    "loops": ("loops",),
 }
 
 
@@ -162,6 +164,9 @@ class AdapterHooks:
     #: Basis vectors per batched call of a derived Jacobian (``None``: up to
     #: :data:`DEFAULT_CHUNK_SIZE`); set by the ``chunk_size`` option.
     chunk_size: int | None = None
+    #: The loop hooks: an object with ``fori_loop``, ``scan`` and ``while_loop`` on flat leaf
+    #: lists (the adapter guide's "Loops"), or None: ``ad.fori_loop`` and friends run as Python loops.
+    loops: Any = None
 
     def __init__(self, *, device: str | None = None, chunk_size: int | None = None, **options: Any):
         if chunk_size is not None:
@@ -241,7 +246,7 @@ class AdapterHooks:
     asarray_like = Adapter.asarray_like
     snapshot = Adapter.snapshot
     scope = Adapter.scope
-    is_pytree_node = Adapter.is_pytree_node
+    pytree_node = Adapter.pytree_node
 
     def normalise_device(self, device: str | None) -> str:
         """Map a user spelling to a name from :meth:`devices`; the one device parser.
@@ -266,7 +271,8 @@ class AdapterHooks:
             )
 
     def model_variables(self, obj: Any) -> tuple[list[Any], int] | None:
-        """``(trainable variables, number of frozen ones)`` of a model of this library, or ``None``."""
+        """``(trainable variables, number of non-trainable ones)`` of a model of this library, or
+        ``None``; non-trainable: frozen parameters and buffers (BatchNorm's moving statistics)."""
         return None
 
     def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:

@@ -17,7 +17,7 @@ Running an explicit ``f(x, *args)`` implicitly (what the conformance suite does)
     g = ad.gradient(ad.Implicit(b), lambda *a: f(current_values(vs), *a), ad.Params(vs), *args)
 
 (``args`` passed through the operator become native arrays, as in explicit mode; read
-the gradient back as a tree with ``optree.tree_map(lambda v: g[v] if v in ps else
+the gradient back as a tree with ``pytree.tree_map(lambda v: g[v] if v in ps else
 None, vs)``.)
 """
 
@@ -28,8 +28,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from ._arrays import dtype_name, shape_of
 from ._errors import (
     AbstractDiffError,
@@ -252,11 +252,25 @@ def variable_owner(v: Any) -> Any:
 
 
 def model_variables(obj: Any) -> tuple[list[Any], int] | None:
-    """``(trainable variables, number of frozen ones)`` of a model (``nn.Module``, Keras...), or ``None``."""
+    """``(trainable variables, number of non-trainable ones)`` of a model (``nn.Module``, Keras...), or
+    ``None``: the library's ``model_variables`` hook (see :func:`_non_trainable` for what Params counts)."""
     if isinstance(obj, Variable):
         return None
     b = backend_for(obj)
     return None if b is None else b.model_variables(obj)
+
+
+def _non_trainable(model: Any, trainable: list[Any], counted: int) -> int:
+    """How many of ``model``'s variables are not trained: frozen parameters and non-trainable
+    state (BatchNorm's running statistics, which torch keeps in buffers and Keras in
+    non-trainable variables), as its library's ``model_state`` lists them; ``counted``
+    (the ``model_variables`` hook's number) for a library without that hook."""
+    b = backend_for(model)
+    state = None if b is None else b.model_state(model)
+    if state is None:
+        return counted
+    ids = {id(v) for v in trainable}
+    return len({id(v) for _, v in state if id(v) not in ids})
 
 
 def is_variable_or_model(obj: Any) -> bool:
@@ -296,9 +310,11 @@ class Params:
     """The variables to differentiate, in order, de-duplicated by identity.
 
     ``Params(obj)`` with ``obj`` a ``torch.nn.Module``, a ``tf.Module`` or Keras model,
-    or any pytree (list, dict, tuple) of variables and models.  Frozen parameters of a
-    model (``requires_grad=False``, non-trainable variables) are left out, and the repr
-    says how many.  Leaves that can never be differentiated (Python ints, bools,
+    or any pytree (list, dict, tuple) of variables and models.  A model's non-trainable
+    variables are left out: frozen parameters (``requires_grad=False``,
+    ``trainable=False``) and non-trainable state such as BatchNorm's running statistics
+    (torch buffers, Keras non-trainable variables); :attr:`non_trainable` and the repr
+    say how many.  Leaves that can never be differentiated (Python ints, bools,
     strings, integer arrays) are skipped, as in explicit mode; any other leaf that is
     not a variable (a float numpy array) is a TypeError.  All variables must belong to
     one library.
@@ -315,19 +331,21 @@ class Params:
     def __init__(self, obj: Any):
         self._vars: list[Any] = []
         self._index: dict[int, int] = {}
-        self.frozen = 0  # frozen model parameters left out
+        #: How many variables of the models given were left out as non-trainable (frozen
+        #: parameters, buffers such as BatchNorm's running statistics).
+        self.non_trainable = 0
         owners: dict[str, Any] = {}
         if isinstance(obj, Params):
             obj = list(obj)
-        leaves, _ = optree.tree_flatten(obj, is_leaf=is_variable_or_model)
+        leaves, _ = pytree.tree_flatten(obj, is_leaf=is_variable_or_model)
         models: set[int] = set()
         for n, leaf in enumerate(leaves):
             found = model_variables(leaf)
             if found is not None:
-                vs, frozen = found
-                if id(leaf) not in models:  # the same model twice: its frozen ones count once
+                vs, counted = found
+                if id(leaf) not in models:  # the same model twice: its non-trainable ones count once
                     models.add(id(leaf))
-                    self.frozen += frozen
+                    self.non_trainable += _non_trainable(leaf, vs, counted)
                 where = type(leaf).__name__
             elif _is_static(leaf):
                 continue
@@ -365,9 +383,15 @@ class Params:
     def __repr__(self) -> str:
         size = sum(int(np.prod(shape_of(v))) for v in self._vars)
         what = self.kind or "none"
-        frozen = f"; {self.frozen} frozen parameter{'s' * (self.frozen != 1)} skipped" if self.frozen else ""
+        k = self.non_trainable
+        left_out = f"; {k} non-trainable variable{'s' * (k != 1)} left out" if k else ""
         n = len(self._vars)
-        return f"Params({n} variable{'s' * (n != 1)} ({what}), {size} values{frozen})"
+        return f"Params({n} variable{'s' * (n != 1)} ({what}), {size} values{left_out})"
+
+    @property
+    def frozen(self) -> int:
+        """The older name of :attr:`non_trainable`."""
+        return self.non_trainable
 
 
 # --------------------------------------------------------------------- Grads
@@ -395,7 +419,7 @@ class Grads(Mapping):
 
     A read-only mapping keyed by variable identity, iterating in ``Params`` order; the
     values are the backend's native arrays.  ``Grads`` is a pytree node (optree), so
-    ``ad.to_numpy(gs)`` returns a ``Grads`` of numpy arrays and ``optree.tree_map``
+    ``ad.to_numpy(gs)`` returns a ``Grads`` of numpy arrays and ``pytree.tree_map``
     works on it.  ``Grads(params, values)``; the implicit operators build it.
 
     Example:
@@ -505,7 +529,7 @@ def variables(tree: Any, b: Any) -> Any:
             made = Variable(value.copy() if isinstance(value, np.ndarray) else value)
         return made
 
-    return optree.tree_map(make, tree, is_leaf=is_variable_or_model)
+    return pytree.tree_map(make, tree, is_leaf=is_variable_or_model)
 
 
 def current_values(tree: Any) -> Any:
@@ -521,4 +545,4 @@ def current_values(tree: Any) -> Any:
         owner = variable_owner(leaf)
         return leaf if owner is None else owner.current_value(leaf)
 
-    return optree.tree_map(read, tree, is_leaf=is_variable_or_model)
+    return pytree.tree_map(read, tree, is_leaf=is_variable_or_model)

@@ -32,8 +32,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-import optree
-
+from . import _pytree as pytree
 from ._arrays import dtype_name, shape_of
 from ._backend import Backend
 from ._cache import WeakLRU
@@ -303,7 +302,7 @@ class Implicit(Backend):
         if not args:
             return args
         inner = self.inner
-        return optree.tree_map(lambda a: a if not is_array(a) or inner.is_native(a) else inner.convert(a), args)
+        return pytree.tree_map(lambda a: a if not is_array(a) or inner.is_native(a) else inner.convert(a), args)
 
     def _native_route(self, ps: Params) -> bool:
         return ps.owner is not BOXES and self.inner.has_implicit_route

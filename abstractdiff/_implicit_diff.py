@@ -17,8 +17,8 @@ import math
 from typing import Any, Callable
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from ._arrays import ar, shape_of
 from ._custom import current_backend, current_rule, custom_vjp
 from ._errors import AbstractDiffError, ArgumentTypeError, CustomRuleError, InvalidArgumentError
@@ -134,7 +134,7 @@ class _Flat:
     """A pytree of arrays as one 1-D vector of its library, and back."""
 
     def __init__(self, tree: Any):
-        self.leaves, self.treedef = optree.tree_flatten(tree)
+        self.leaves, self.treedef = pytree.tree_flatten(tree)
         self.shapes = [shape_of(a) for a in self.leaves]
         self.sizes = [math.prod(s) for s in self.shapes]
 
@@ -150,7 +150,7 @@ class _Flat:
             part = flat if len(self.sizes) == 1 else flat[start:start + size]
             out.append(ar().do("reshape", part, shape))
             start += size
-        return optree.tree_unflatten(self.treedef, out)
+        return pytree.tree_unflatten(self.treedef, out)
 
 
 # ------------------------------------------------------------------ the decorators
@@ -222,9 +222,9 @@ class _ImplicitSolver:
                 return ar().do("tensordot", jxt, u, axes=1)
 
             u, poison = self._linear_solution(matvec, b)
-            theta_ct = optree.tree_map(
+            theta_ct = pytree.tree_map(
                 lambda *leaves: ar().do("tensordot", u, ar().do("stack", leaves), axes=1), *theta_rows)
-        negated = optree.tree_map(lambda a: -a if poison is None else poison - a, theta_ct)
+        negated = pytree.tree_map(lambda a: -a if poison is None else poison - a, theta_ct)
         return (None, *negated)
 
     def _linear_solution(self, matvec: Callable[[Any], Any], b: Any) -> tuple[Any, Any]:
@@ -321,7 +321,7 @@ def custom_fixed_point(fixed_point_fn: Callable[..., Any], solve: str | LinearSo
             f"custom_fixed_point: fixed_point_fn must be callable, got {type(fixed_point_fn).__name__}")
 
     def optimality_fn(x: Any, *theta: Any) -> Any:
-        return optree.tree_map(lambda t, a: t - a, fixed_point_fn(x, *theta), x)
+        return pytree.tree_map(lambda t, a: t - a, fixed_point_fn(x, *theta), x)
 
     linear = _linear_solve(solve)
     return lambda solver: _ImplicitSolver(solver, optimality_fn, linear, "ad.custom_fixed_point")

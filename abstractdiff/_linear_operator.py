@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from ._backend import Backend
 from ._batch import Batch
 from ._convert import to_numpy
@@ -34,7 +34,7 @@ class _Raveled:
 
     def __init__(self, b: Backend, tree: Any, what: str):
         self.b = b
-        self.leaves, self.treedef = optree.tree_flatten(tree)
+        self.leaves, self.treedef = pytree.tree_flatten(tree)
         self.index = [i for i, a in enumerate(self.leaves) if is_float_leaf(a)]
         if not self.index:
             raise NonDifferentiableInputError(f"{what} has no floating-point leaf for a linear operator to act on")
@@ -63,7 +63,7 @@ class _Raveled:
         for i, shape, size, dtype in zip(self.index, self.shapes, self.sizes, self.dtypes):
             leaves[i] = self.b.from_numpy(np.ascontiguousarray(v[start:start + size].reshape(shape), dtype=dtype))
             start += size
-        return optree.tree_unflatten(self.treedef, leaves)
+        return pytree.tree_unflatten(self.treedef, leaves)
 
 
 def _linear_operator(shape: tuple[int, int], dtype: Any, matvec: Callable, rmatvec: Callable,

@@ -28,8 +28,7 @@ import threading
 from operator import attrgetter
 from typing import Any, Callable, ClassVar
 
-import optree
-
+from . import _pytree as pytree
 from ._arrays import check_scalar, dtype_name, shape_of
 from ._batch import Batch, BatchedPullback, BatchedPushforward
 from ._captures import CaptureWatch
@@ -336,7 +335,7 @@ class Signature:
         self.operator = operator
         self.backend = backend
         self.fn = fn
-        leaves = optree.tree_leaves(x) + optree.tree_leaves(args)
+        leaves = pytree.tree_leaves(x) + pytree.tree_leaves(args)
         dynamic = set(fn.diff_index) | set(fn.data_index)
         # Static leaves are compared by the plan cache's key: exact bits for floats (-0.0 is
         # not 0.0), identity for unhashable objects.
@@ -410,10 +409,10 @@ class Signature:
             if same:
                 convert = self.backend.convert
                 return [convert(x)], [convert(a) for a in args]
-        leaves, x_treedef = optree.tree_flatten(x)
+        leaves, x_treedef = pytree.tree_flatten(x)
         if x_treedef != fn.x_treedef:
             raise self.mismatch("x of structure", fn.x_treedef, x_treedef)
-        a_leaves, a_treedef = optree.tree_flatten(args)
+        a_leaves, a_treedef = pytree.tree_flatten(args)
         if a_treedef != fn.args_treedef:
             raise self.mismatch("args of structure", fn.args_treedef, a_treedef)
         if a_leaves:
@@ -432,7 +431,7 @@ def _given(fn: FlatFunction, x: Any, args: tuple, xs: list, data: list) -> tuple
     """The leaves the signature compares: the caller's own arrays, not their conversions
     (numpy int64 data stays int64 there, where jax without x64 converts it to int32), so
     that a prepared operator accepts again the inputs it was prepared with."""
-    leaves = optree.tree_leaves(x) + optree.tree_leaves(args)
+    leaves = pytree.tree_leaves(x) + pytree.tree_leaves(args)
     return (
         [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.diff_index, xs)],
         [leaves[i] if is_array(leaves[i]) else v for i, v in zip(fn.data_index, data)],

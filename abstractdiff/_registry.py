@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from . import _pytree as pytree
 from ._hooks import AdapterHooks
 from .protocol import Adapter
 
@@ -53,12 +54,12 @@ class _Entry:
 _BUILTIN: dict[str, _Entry] = {
     "finite_differences": _Entry("abstractdiff.adapters.finite_differences:FiniteDifferencesBackend"),
     "autograd": _Entry("abstractdiff.adapters.autograd:AutogradAdapter", ("autograd",), "autograd"),
-    "jax": _Entry("abstractdiff.adapters.jax:JaxAdapter", ("jax", "jaxlib"), "jax"),
+    "jax": _Entry("abstractdiff.adapters.jax:JaxAdapter", ("jax", "jaxlib"), "jax", modules=("jax", "jaxlib", "keras")),
     "tensorflow": _Entry(
         "abstractdiff.adapters.tensorflow:TensorFlowAdapter", ("tensorflow",), "tensorflow",
         modules=("tensorflow", "keras", "tf_keras"),
     ),
-    "torch": _Entry("abstractdiff.adapters.torch:TorchAdapter", ("torch",), "torch"),
+    "torch": _Entry("abstractdiff.adapters.torch:TorchAdapter", ("torch",), "torch", modules=("torch", "keras")),
     "mlx": _Entry("abstractdiff.adapters.mlx:MLXAdapter", ("mlx",), "mlx"),
     "paddle": _Entry("abstractdiff.adapters.paddle:PaddleAdapter", ("paddle",), "paddle"),
     "pytensor": _Entry("abstractdiff.adapters.pytensor:PyTensorAdapter", ("pytensor",), "pytensor"),
@@ -405,24 +406,30 @@ def _find_owner(obj: Any) -> Backend | None:
     return None
 
 
-def pytree_registry_of(obj: Any) -> str | None:
-    """Which imported library's own pytree registry knows ``obj``'s class as a container
-    (a class registered with ``jax.tree_util``), or ``None``.
+def foreign_pytree_node(obj: Any) -> tuple[str, Callable, Callable] | None:
+    """``(registry, flatten, unflatten)`` when an imported library's own pytree registry knows
+    ``obj``'s class as a container (a class registered with ``jax.tree_util``), else ``None``:
+    the adapters' :meth:`~abstractdiff.protocol.Adapter.pytree_node` hook.
 
     Asked of the adapters whose library is already imported (so it imports nothing new),
-    when a plan meets a static leaf of a class abstractdiff does not flatten: on any
-    backend, such a leaf would otherwise silently get no gradient.
+    when a flatten meets a leaf of a class abstractdiff does not know
+    (:mod:`abstractdiff._pytree`): on any backend, such a leaf would otherwise silently get
+    no gradient.
     """
     for name, entry in list(_registry.items()):
         if not entry.requires or not all(m in sys.modules for m in entry.requires):
             continue
         b = _quiet_backend(name)
         try:
-            if b is not None and b.is_pytree_node(obj):
-                return f"the {name} library's own pytree registry"
+            node = b.pytree_node(obj) if b is not None else None
         except Exception:  # noqa: BLE001  an adapter that cannot answer for a foreign object does not know it
             continue
+        if node is not None:
+            return (f"the {name} library's own pytree registry", *node)
     return None
+
+
+pytree.set_node_finder(foreign_pytree_node)
 
 
 def backend_for(obj: Any) -> Backend | None:

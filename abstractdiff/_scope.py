@@ -6,7 +6,8 @@ import contextlib
 from typing import Any, Iterator
 
 import numpy as np
-import optree
+
+from . import _pytree as pytree
 
 __all__ = ["scope"]
 
@@ -35,7 +36,7 @@ def scope(*trees: Any) -> Iterator[None]:
     from ._registry import backend_for
 
     owners: dict[int, tuple[Any, list]] = {}
-    for a in optree.tree_leaves(trees, none_is_leaf=False):
+    for a in pytree.tree_leaves(trees, none_is_leaf=False):
         if type(a) is np.ndarray or isinstance(a, (bool, int, float, complex, str, np.generic)):
             continue
         b = backend_for(a)

@@ -5,52 +5,100 @@ columns that share no row (*structurally orthogonal*) get one color, one pushfor
 per color computes the sum of that color's columns, and each nonzero ``(i, j)`` is read
 back from the compressed column of ``j``'s color at row ``i`` (Curtis, Powell and Reid;
 Gebremedhin, Manne and Pothen, "What color is your Jacobian?").  Rows are colored the
-same way when batched pullbacks need fewer calls.  Hessians: column coloring of the
-(symmetric) pattern, with Hessian-vector products of the inner backend's gradient.
+same way for pullbacks, and a *bidirectional* coloring seeds some columns forward and some
+rows backward (a dense row plus a dense column: 2 products of each kind where either side
+alone needs ``n``).  Hessians are colored *symmetrically*: a star coloring, read back
+directly (``H[i, j]`` from the product of ``j``'s color at ``i`` or of ``i``'s color at
+``j``), or an acyclic one, read back by substitution (fewer colors, more arithmetic); the
+colorings are :mod:`abstractdiff._coloring`'s (SparseMatrixColorings.jl's algorithms).
 
 The pattern comes from :func:`abstractdiff.jacobian_sparsity` /
-:func:`abstractdiff.hessian_sparsity` (or the user's ``sparsity=``), the coloring from
-networkx's greedy coloring of the column intersection graph.  Both are computed once per
-flat function, input shapes and *values of the data arguments* and of what ``f`` reads from
-globals and closures (a detected pattern depends on everything that is not differentiated:
-``take(x, idx)`` has another pattern for another ``idx``), so each call with the same data is
-the compressed products plus a gather.  A
-prepared operator detects at preparation, and again whenever a call's data differ.
+:func:`abstractdiff.hessian_sparsity`, from one dense derivative (``sparsity="dense-probe"``)
+or from the user's ``sparsity=``.  Pattern and coloring are computed once per flat function,
+input shapes and *values of the data arguments* and of what ``f`` reads from globals and
+closures (a detected pattern depends on everything that is not differentiated: ``take(x,
+idx)`` has another pattern for another ``idx``), so each call with the same data is the
+compressed products plus a gather.  A prepared operator detects at preparation, and again
+whenever a call's data differ.  Equal ``Sparse`` backends share their plans: an unprepared
+``ad.jacobian(ad.Sparse("jax"), f, x)`` plans ``f`` once, not once per new ``Sparse``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import numpy as np
 
 from ._arrays import ar, dtype_name, shape_of, size_of
 from ._backend import Backend
-from ._cache import value_key
+from ._cache import LRU, value_key
 from ._captures import captures
 from ._convert import content_of
 from ._derived import GradientFunction, PackedInput
-from ._errors import ArgumentTypeError, InvalidArgumentError, ShapeMismatchError, SparsityPatternError
+from ._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    ShapeMismatchError,
+    SparsityPatternError,
+)
 from ._hooks import HOOKS, approximates
-from ._prepare import HessianPrep, JacobianPrep, Preparation
+from ._prepare import HessianPrep, JacobianPrep, Preparation, PreparedHessian, PreparedJacobian
 from ._second_order import _forwarded
 from ._sparsity import flat_hessian_sparsity, flat_jacobian_sparsity
 from ._tree import FlatFunction, PlanCache, artefacts
 
-__all__ = ["Sparse", "color_columns"]
+__all__ = ["Sparse", "SparseColors", "color_columns"]
 
 FlatFn = Callable[[list, list], tuple]
 
-#: The colorings ``ad.Sparse`` offers: networkx's greedy strategy ``largest_first`` (a
-#: column meeting many others is colored first), or columns in their natural order.
-COLORINGS = ("greedy", "natural")
+#: ``coloring=`` values and what they mean: ``(kind, vertex order)``.  ``"auto"``: the
+#: symmetric (star) coloring of a Hessian, the cheapest of column, row and bidirectional
+#: coloring of a Jacobian.  ``"greedy"`` and ``"natural"`` (the vertex orders of earlier
+#: versions) are ``"auto"`` with the largest-first and the natural order.
+COLORINGS: dict[str, tuple[str, str]] = {
+    "auto": ("auto", "largest_first"),
+    "star": ("star", "largest_first"),
+    "acyclic": ("acyclic", "largest_first"),
+    "column": ("column", "largest_first"),
+    "greedy": ("auto", "largest_first"),
+    "natural": ("auto", "natural"),
+}
+
+#: ``mode=`` values: ``"auto"`` (the fewest products), ``"forward"`` (columns, pushforwards),
+#: ``"reverse"`` (rows, pullbacks), ``"mixed"`` (bidirectional: both).  For a Hessian,
+#: forward is forward-over-reverse Hessian-vector products, reverse reverse-over-reverse.
+MODES = ("auto", "forward", "reverse", "mixed")
+
+#: ``sparsity="dense-probe"``: the pattern of one dense derivative at the preparation point.
+DENSE_PROBE = "dense-probe"
+
+
+class SparseColors(NamedTuple):
+    """The colors of a plan: ``columns`` (``(x.size,)``, the seed of each column pushed
+    forward) and ``rows`` (``(y.size,)``, the seed of each row pulled back); ``None`` for a
+    side that is not seeded, ``-1`` for a column or row left out of a bidirectional
+    coloring.  A Hessian's symmetric coloring is its ``columns`` (``rows`` is ``None``)."""
+
+    columns: np.ndarray | None
+    rows: np.ndarray | None
 
 
 def _sp() -> Any:
     import scipy.sparse
 
     return scipy.sparse
+
+
+def _coloring_module() -> Any:
+    """:mod:`abstractdiff._coloring`, or ``None`` where it cannot be imported (the networkx
+    column coloring is the fallback then)."""
+    try:
+        from . import _coloring
+    except ImportError:
+        return None
+    return _coloring
 
 
 # ------------------------------------------------------------------ patterns and colors
@@ -70,17 +118,40 @@ def as_pattern(sparsity: Any) -> Any:
         pattern = sp.csr_matrix(dense != 0)
     else:
         raise ArgumentTypeError(
-            f"sparsity must be a scipy.sparse matrix or a boolean array, got {type(sparsity).__name__}"
+            f"sparsity must be a scipy.sparse matrix, a boolean array or {DENSE_PROBE!r}, "
+            f"got {type(sparsity).__name__}"
         )
+    return _clean(pattern)
+
+
+def _clean(pattern: Any) -> Any:
+    """A boolean CSR copy of ``pattern``, canonical (sorted, no explicit zeros): a plan holds its
+    index arrays, which nothing else may then sort or prune in place."""
+    pattern = _sp().csr_matrix(pattern, copy=True)  # first: scipy's != sorts its operand in place
     pattern = (pattern != 0).tocsr()
     pattern.eliminate_zeros()
     pattern.sort_indices()
     return pattern
 
 
+def _symmetric(pattern: Any) -> Any:
+    """``pattern`` or its transpose: the pattern a symmetric coloring needs."""
+    return _clean(pattern + pattern.T)
+
+
 def color_columns(pattern: Any, coloring: str = "greedy") -> np.ndarray:
     """A color per column of ``pattern`` such that no two columns of one color have a nonzero
-    in the same row (a coloring of the column intersection graph, by networkx)."""
+    in the same row (a distance-1 coloring of the column intersection graph);
+    ``coloring`` is a vertex order (``"largest_first"``, ``"natural"``...) or a ``coloring=``
+    value naming one (``"greedy"``: largest first)."""
+    order = COLORINGS[coloring][1] if coloring in COLORINGS else coloring
+    module = _coloring_module()
+    if module is not None:
+        return np.asarray(module.column_coloring(pattern, order=order), dtype=np.int64)
+    return _networkx_columns(pattern, order)
+
+
+def _networkx_columns(pattern: Any, order: str) -> np.ndarray:
     import networkx as nx
 
     sp = _sp()
@@ -90,16 +161,21 @@ def color_columns(pattern: Any, coloring: str = "greedy") -> np.ndarray:
     graph = nx.Graph()
     graph.add_nodes_from(range(n))
     graph.add_edges_from(zip(conflicts.row.tolist(), conflicts.col.tolist()))
-    strategy: Any = "largest_first" if coloring == "greedy" else (lambda g, _colors: sorted(g))
+    strategy: Any = (lambda g, _colors: sorted(g)) if order == "natural" else order
     colors = nx.coloring.greedy_color(graph, strategy=strategy)
     return np.array([colors[j] for j in range(n)], dtype=np.int64)
 
 
-def _seeds(colors: np.ndarray) -> Any:
-    """``S[c, j] = 1`` when column ``j`` has color ``c``: one seed vector per color (sparse)."""
-    n = colors.size
-    count = int(colors.max()) + 1 if n else 0
-    return _sp().csr_matrix((np.ones(n), (colors, np.arange(n))), shape=(count, n))
+def _seeds(colors: np.ndarray, count: int) -> np.ndarray:
+    """``S[c, j] = 1`` when column ``j`` has color ``c`` (``-1``: no seed): ``(count, n)``."""
+    seeds = np.zeros((count, colors.size))
+    seeded = np.nonzero(colors >= 0)[0]
+    seeds[colors[seeded], seeded] = 1.0
+    return seeds
+
+
+def _count(colors: np.ndarray | None) -> int:
+    return 0 if colors is None or not colors.size else int(colors.max()) + 1
 
 
 def _digest(pattern: Any) -> str:
@@ -109,56 +185,192 @@ def _digest(pattern: Any) -> str:
     return h.hexdigest()[:16]
 
 
-# ------------------------------------------------------------------ compressed products
+# ------------------------------------------------------------------ plans
 class _Plan:
     """A pattern, its coloring and what decompression needs, for one flat function and input shapes.
 
-    ``mode`` is ``"forward"`` (columns colored; one pushforward per color) or ``"reverse"``
-    (rows colored; one pullback per color).  Compressed results ``B`` are ``(colors, length)``:
-    ``B[c]`` the sum of color ``c``'s columns (forward) or rows (reverse).
+    Compressed results are ``forward`` ``(n_forward, y.size)`` (``forward[c]``: the sum of
+    color ``c``'s columns, one pushforward or Hessian-vector product per color) and
+    ``reverse`` ``(n_reverse, x.size)`` (``reverse[c]``: the sum of color ``c``'s rows, one
+    pullback per color).  ``mode``: ``"forward"``, ``"reverse"`` or ``"mixed"`` (both).  A
+    ``symmetric`` plan (a Hessian's) reads ``H[i, j]`` from ``forward[color[j], i]`` or from
+    ``forward[color[i], j]``, whichever holds it alone.  ``index``: where each nonzero (CSR
+    order) is in ``forward`` and ``reverse`` raveled and concatenated, when every one is read
+    directly; else ``substitute(forward, reverse)`` computes them (acyclic colorings).
     """
 
-    def __init__(self, pattern: Any, mode: str, colors: np.ndarray, what: str, given: bool):
-        self.pattern, self.mode, self.colors, self.what, self.given = pattern, mode, colors, what, given
+    def __init__(self, pattern: Any, what: str, given: bool, columns: np.ndarray | None, rows: np.ndarray | None,
+                 *, kind: str, symmetric: bool = False, substitute: Callable[..., np.ndarray] | None = None):
+        self.pattern, self.what, self.given, self.kind, self.symmetric = pattern, what, given, kind, symmetric
+        self.colors = SparseColors(columns, rows)
+        self.n_forward, self.n_reverse = _count(columns), _count(rows)
+        #: products per call, forward and reverse together
+        self.count = self.n_forward + self.n_reverse
+        self.mode = "mixed" if kind == "bidirectional" else "reverse" if rows is not None else "forward"
         self.held: list[Any] = []
-        coo = pattern.tocoo()  # CSR order: data in this order builds the result on pattern's indices
-        self.rows, self.cols = coo.row, coo.col
-        seeds = _seeds(colors)
-        self.seeds = seeds.toarray()
-        self.count = self.seeds.shape[0]
+        #: the seeds as the inner backend's arrays, per chunk and input signature (built on first use)
+        self.native: dict = {}
+        self.hvp_mode = "forward"  # a Hessian's: forward over reverse, or reverse over reverse
+        sp = _sp()
+        p = pattern.astype(np.float64)
+        self.forward_seeds = None if columns is None else _seeds(columns, self.n_forward)
+        self.reverse_seeds = None if rows is None else _seeds(rows, self.n_reverse)
         # where a compressed result may be nonzero: anywhere else, the pattern misses an entry
-        support = seeds @ (pattern.T if mode == "forward" else pattern).astype(np.float64)
-        self.outside = support.toarray() == 0
-        if mode == "forward":
-            self.pick = (colors[self.cols], self.rows)
+        self.outside_forward = None if columns is None else (sp.csr_matrix(self.forward_seeds) @ p.T).toarray() == 0
+        self.outside_reverse = None if rows is None else (sp.csr_matrix(self.reverse_seeds) @ p).toarray() == 0
+        self.substitute = substitute
+        self.index = None if substitute is not None else self._direct_index(p)
+
+    def _direct_index(self, p: Any) -> np.ndarray | None:
+        """Each nonzero's place in the compressed results (``None``: some need substitution)."""
+        m, n = self.pattern.shape
+        coo = self.pattern.tocoo()  # CSR order: data in this order builds the result on pattern's indices
+        i, j = coo.row, coo.col
+        index = np.full(i.size, -1, dtype=np.int64)
+        columns, rows = self.colors
+        if self.n_forward:
+            counts = np.asarray(p @ self.forward_seeds.T)  # (m, n_forward): columns of each color in each row
+            c = columns[j]
+            alone = (c >= 0) & (counts[i, np.maximum(c, 0)] == 1)
+            index[alone] = c[alone] * m + i[alone]
+            if self.symmetric:  # H[i, j] = H[j, i]: from the product of i's color, at row j
+                c = columns[i]
+                alone = (index < 0) & (counts[j, c] == 1)
+                index[alone] = c[alone] * n + j[alone]
+        if self.n_reverse:
+            counts = np.asarray(self.reverse_seeds @ p)  # (n_reverse, n): rows of each color in each column
+            r = rows[i]
+            alone = (index < 0) & (r >= 0) & (counts[np.maximum(r, 0), j] == 1)
+            index[alone] = self.n_forward * m + r[alone] * n + j[alone]
+        return index if (index >= 0).all() else None
+
+    def decompress(self, forward: np.ndarray | None, reverse: np.ndarray | None, approximate: bool,
+                   order: int = 1) -> Any:
+        """The sparse matrix from the compressed results, after checking them against the pattern."""
+        parts = [a for a in (forward, reverse) if a is not None]
+        for compressed, outside, kind in ((forward, self.outside_forward, "column"),
+                                          (reverse, self.outside_reverse, "row")):
+            if compressed is not None:
+                self._check(compressed, outside, kind, approximate, order)
+        if self.index is not None:
+            flat = np.concatenate([a.ravel() for a in parts]) if len(parts) > 1 else parts[0].ravel()
+            values = flat[self.index]
         else:
-            self.pick = (colors[self.rows], self.cols)
+            values = self.substitute(forward, reverse)  # type: ignore[misc]
+        # the result's own index arrays: a caller sorting or pruning it in place leaves the plan intact
+        return _sp().csr_matrix((values, self.pattern.indices.copy(), self.pattern.indptr.copy()),
+                                shape=self.pattern.shape)
 
-    def decompress(self, compressed: np.ndarray, approximate: bool, order: int = 1) -> Any:
-        """The sparse matrix from the compressed results, after checking them against the pattern.
-
-        An approximating backend's results are nonzero by its error where the pattern has none:
+    def _check(self, compressed: np.ndarray, outside: np.ndarray, kind: str, approximate: bool, order: int) -> None:
+        """An approximating backend's results are nonzero by its error where the pattern has none:
         finite differences' error, about ``eps**(1/3)`` relative at first order and ``eps**(1/4)``
         at second, in the results' dtype (float32 Hessians err by ~1e-2, float64 Jacobians ~1e-5)."""
         scale = float(np.max(np.abs(compressed))) if compressed.size else 0.0
         eps = float(np.finfo(compressed.dtype).eps) if np.issubdtype(compressed.dtype, np.floating) else 2.0**-52
         tol = eps ** (1 / (2 + order)) * max(1.0, scale) if approximate else 0.0
-        bad = self.outside & (np.abs(compressed) > tol)
+        bad = outside & (np.abs(compressed) > tol)
         if bad.any():
             c, k = (int(v[0]) for v in np.nonzero(bad))
-            where = f"row {k}" if self.mode == "forward" else f"column {k}"
+            where = f"row {k}" if kind == "column" else f"column {k}"
             source = "the sparsity you passed" if self.given else "the detected pattern"
-            kind = "column" if self.mode == "forward" else "row"
             raise SparsityPatternError(
                 f"the {self.what} has a nonzero at {where} of the compressed {kind}"
                 f" of color {c} ({compressed[c, k]!r}), where {source} has none: the pattern misses an entry, "
                 f"and the sparse result would be wrong. Pass a pattern that holds every nonzero (sparsity=...), "
                 f"or leave sparsity=None to detect it"
             )
-        values = compressed[self.pick]
-        return _sp().csr_matrix((values, self.pattern.indices, self.pattern.indptr), shape=self.pattern.shape)
 
 
+def _csr_data(result: Any, pattern: Any) -> np.ndarray:
+    """``result``'s values at ``pattern``'s nonzeros, in CSR order."""
+    result = _sp().csr_matrix(result)
+    result.sort_indices()
+    if result.nnz == pattern.nnz and np.array_equal(result.indptr, pattern.indptr) \
+            and np.array_equal(result.indices, pattern.indices):
+        return np.asarray(result.data)
+    coo = pattern.tocoo()
+    return np.asarray(result[coo.row, coo.col]).ravel()
+
+
+def _substitution(module: Any, name: str, pattern: Any, coloring: Any) -> Callable[..., np.ndarray]:
+    """``(forward, reverse) -> values`` by ``module``'s decompression ``name`` (its plan
+    object's ``values`` where it offers one: the work done once)."""
+    make_plan = getattr(module, f"{name}_plan", None)
+    if make_plan is not None:
+        plan = make_plan(pattern, coloring)
+        if name == "bidirectional":
+            return lambda forward, reverse: np.asarray(plan.values(forward.T, reverse))
+        return lambda forward, reverse: np.asarray(plan.values(forward.T))
+    decompress = getattr(module, f"decompress_{name}")
+    if name == "bidirectional":
+        return lambda forward, reverse: _csr_data(decompress(pattern, coloring, forward.T, reverse), pattern)
+    return lambda forward, reverse: _csr_data(decompress(pattern, coloring, forward.T), pattern)
+
+
+def _jacobian_coloring(sparse: Sparse, pattern: Any, given: bool) -> _Plan:
+    """The cheapest plan ``sparse``'s mode and coloring allow: columns (forward), rows
+    (reverse) or both (bidirectional); ties go to forward, then reverse."""
+    inner, kind, order, mode = sparse.inner, sparse.kind, sparse.order, sparse.mode
+    if kind in ("star", "acyclic"):
+        raise InvalidArgumentError(
+            f"coloring={sparse.coloring!r} is a symmetric coloring, for Hessians; a Jacobian takes coloring='auto' "
+            f"(the cheapest of column, row and bidirectional) or 'column' (columns or rows only), and mode=... "
+            f"to force one"
+        )
+    options: list[tuple[int, int, Callable[[], _Plan]]] = []
+    if mode in ("auto", "forward") and inner.has_forward:
+        columns = color_columns(pattern, order)
+        options.append((_count(columns), 0, lambda: _Plan(pattern, "Jacobian", given, columns, None, kind="column")))
+    if mode in ("auto", "reverse") and inner.has_reverse:
+        rows = color_columns(pattern.T.tocsr(), order)
+        options.append((_count(rows), 1, lambda: _Plan(pattern, "Jacobian", given, None, rows, kind="row")))
+    if mode in ("auto", "mixed") and kind == "auto" and inner.has_forward and inner.has_reverse:
+        module = _coloring_module()
+        if module is None and mode == "mixed":
+            raise InvalidArgumentError("mode='mixed' needs the bidirectional coloring of abstractdiff._coloring")
+        if module is not None:
+            bi = module.bidirectional_coloring(pattern, order=order)
+            options.append((int(bi.ncolors), 2, lambda: _bidirectional_plan(module, pattern, given, bi)))
+    return min(options, key=lambda option: option[:2])[2]()
+
+
+def _bidirectional_plan(module: Any, pattern: Any, given: bool, bi: Any) -> _Plan:
+    columns = np.asarray(bi.column_colors, dtype=np.int64)
+    rows = np.asarray(bi.row_colors, dtype=np.int64)
+    plan = _Plan(pattern, "Jacobian", given, columns, rows, kind="bidirectional")
+    if plan.index is None:  # a coloring decompressed by substitution
+        plan = _Plan(pattern, "Jacobian", given, columns, rows, kind="bidirectional",
+                     substitute=_substitution(module, "bidirectional", pattern, bi))
+    return plan
+
+
+def _hessian_coloring(sparse: Sparse, pattern: Any, given: bool) -> _Plan:
+    """A symmetric plan: star (direct) or acyclic (substitution) coloring, or distance-1
+    column coloring (``coloring="column"``, or where :mod:`._coloring` is missing)."""
+    inner, kind, order = sparse.inner, sparse.kind, sparse.order
+    if sparse.mode == "mixed":
+        raise InvalidArgumentError(
+            "mode='mixed' (bidirectional coloring) is for Jacobians; a Hessian is symmetric: its colorings "
+            "are coloring='star' (the default), 'acyclic' or 'column', with mode='forward' or 'reverse'"
+        )
+    pattern = _symmetric(pattern)
+    module = _coloring_module()
+    substitute = None
+    if kind in ("auto", "star") and module is not None:
+        colors = np.asarray(module.star_coloring(pattern, order=order).colors, dtype=np.int64)
+        kind = "star"
+    elif kind == "acyclic" and module is not None:
+        coloring = module.acyclic_coloring(pattern, order=order)
+        colors = np.asarray(coloring.colors, dtype=np.int64)
+        substitute = _substitution(module, "acyclic", pattern, coloring)
+    else:
+        colors, kind = color_columns(pattern, order), "column"
+    plan = _Plan(pattern, "Hessian", given, colors, None, kind=kind, symmetric=True, substitute=substitute)
+    plan.hvp_mode = "forward" if sparse.mode != "reverse" and inner.has_forward else "reverse"
+    return plan
+
+
+# ------------------------------------------------------------------ compressed products
 def _seed_leaves(b: Backend, block: np.ndarray, xs: list) -> list:
     """Rows of ``block`` (``(k, n)``) cut into leaves shaped ``(k,) + x.shape``, as ``b``'s arrays."""
     out, start = [], 0
@@ -171,17 +383,25 @@ def _seed_leaves(b: Backend, block: np.ndarray, xs: list) -> list:
     return out
 
 
-def _compressed(b: Backend, seeds: np.ndarray, call: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """``call`` on the seeds in ``b``'s chunks (the last one padded: one shape per batched call)."""
+def _compressed(b: Backend, seeds: np.ndarray, to_native: Callable[[np.ndarray], Any],
+                call: Callable[[Any], np.ndarray], cache: dict | None = None, key: Hashable = None) -> np.ndarray:
+    """``call`` on the seeds in ``b``'s chunks (the last one padded: one shape per batched call),
+    each chunk made ``b``'s arrays by ``to_native`` once per ``key`` where ``cache`` keeps them
+    (a plan's: its seeds never change, so a call converts none)."""
     chunks = b.basis_chunks(seeds.shape[0])
     if not chunks:
         return np.zeros((0, 0))
     width = chunks[0][1] - chunks[0][0]
     out = []
     for start, stop in chunks:
-        block = np.zeros((width, seeds.shape[1]), dtype=seeds.dtype)
-        block[: stop - start] = seeds[start:stop]
-        out.append(call(block)[: stop - start])
+        native = None if cache is None else cache.get((key, start))
+        if native is None:
+            block = np.zeros((width, seeds.shape[1]), dtype=seeds.dtype)
+            block[: stop - start] = seeds[start:stop]
+            native = to_native(block)
+            if cache is not None:
+                cache[(key, start)] = native
+        out.append(call(native)[: stop - start])
     return np.concatenate(out, axis=0)
 
 
@@ -190,28 +410,74 @@ def _flat_numpy(b: Backend, leaves: list, k: int) -> np.ndarray:
     return np.concatenate([np.reshape(np.asarray(b.to_numpy(v)), (k, -1)) for v in leaves], axis=1)
 
 
-# ------------------------------------------------------------------ Jacobians
-def _jacobian_plan(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> _Plan:
+def _numpy(b: Backend, leaves: list) -> list:
+    return [np.asarray(b.to_numpy(v)) for v in leaves]
+
+
+def _signature(xs: list) -> tuple:
+    return tuple((shape_of(x), dtype_name(x)) for x in xs)
+
+
+def jacobian_products(inner: Backend, fn: FlatFn, xs: list, data: list, forward_seeds: np.ndarray | None,
+                      reverse_seeds: np.ndarray | None, cache: dict | None = None) -> tuple[Any, Any]:
+    """``(J S_f^T, S_r J)`` transposed as ``(k_f, y.size)`` and ``(k_r, x.size)``: the batched
+    pushforwards of the rows of ``forward_seeds`` and pullbacks of those of ``reverse_seeds``
+    (``None`` for a side without seeds)."""
+    forward = reverse = None
+    if forward_seeds is not None and forward_seeds.shape[0]:
+        y, _, jvps = inner.flat_value_and_batched_pushforward(fn, xs, data)
+        m = size_of(y)
+
+        def push(seeds: list) -> np.ndarray:
+            return np.reshape(np.asarray(inner.to_numpy(jvps(seeds))), (-1, m))
+
+        forward = _compressed(inner, forward_seeds, lambda block: _seed_leaves(inner, block, xs), push, cache,
+                              ("forward", _signature(xs)))
+    if reverse_seeds is not None and reverse_seeds.shape[0]:
+        y, _, vjps = inner.flat_value_and_batched_pullback(fn, xs, data)
+
+        def cotangents(block: np.ndarray) -> Any:
+            return inner.asarray(block.reshape((block.shape[0],) + shape_of(y)), dtype_name(y))
+
+        def pull(dys: Any) -> np.ndarray:
+            k = shape_of(dys)[0]
+            return _flat_numpy(inner, inner.complete_batched(vjps(dys), xs, k), k)
+
+        reverse = _compressed(inner, reverse_seeds, cotangents, pull, cache, ("reverse", _signature([y])))
+    return forward, reverse
+
+
+def hessian_products(sparse: Sparse, fn: FlatFn, xs: list, data: list, seeds: np.ndarray, mode: str,
+                     cache: dict | None = None) -> np.ndarray:
+    """``(k, x.size)``: the Hessian-vector products of the rows of ``seeds``, forward over
+    reverse (the inner backend's batched pushforward of its gradient) or reverse over reverse."""
     inner = sparse.inner
     n = sum(size_of(x) for x in xs)
-    if sparse.sparsity is not None:
-        with inner.scope([*xs, *data]):  # jax evaluates float64 only in its x64 scope
-            m = size_of(fn(xs, data)[0])
-        pattern = sparse.sparsity
-        _check_shape(pattern, (m, n), "Jacobian", "(y.size, x.size)")
+    shapes = [shape_of(x) for x in xs]
+    store = artefacts(fn, sparse, "sparse hessian")
+    packed = store.get(("packed", tuple(shapes)), lambda: PackedInput(fn, shapes))
+    grad = store.get(("gradient function", tuple(shapes)), lambda: GradientFunction(inner, packed))
+    a = ar()
+    z = a.do("concatenate", [a.do("reshape", x, (size_of(x),)) for x in xs]) if len(xs) > 1 else \
+        a.do("reshape", xs[0], (n,))
+    dtype = dtype_name(z)
+    if mode == "forward":
+        _, _, jvps = inner.flat_value_and_batched_pushforward(grad, [z], data)
+
+        def call(block: Any) -> np.ndarray:
+            return np.asarray(inner.to_numpy(jvps([block])))
     else:
-        pattern = flat_jacobian_sparsity(fn, _numpy(inner, xs), _numpy(inner, data))
-    columns = color_columns(pattern, sparse.coloring) if inner.has_forward else None
-    rows = color_columns(pattern.T.tocsr(), sparse.coloring) if inner.has_reverse else None
-    if columns is not None and (rows is None or _count(columns) <= _count(rows)):
-        return _Plan(pattern, "forward", columns, "Jacobian", sparse.sparsity is not None)
-    return _Plan(pattern, "reverse", rows, "Jacobian", sparse.sparsity is not None)  # type: ignore[arg-type]
+        _, _, vjps = inner.flat_value_and_batched_pullback(grad, [z], data)
+
+        def call(block: Any) -> np.ndarray:
+            k = shape_of(block)[0]
+            return _flat_numpy(inner, inner.complete_batched(vjps(block), [z], k), k)
+
+    key = (HessianPrep.operator, dtype)
+    return _compressed(inner, seeds, lambda block: inner.asarray(block, dtype), call, cache, key)
 
 
-def _count(colors: np.ndarray) -> int:
-    return int(colors.max()) + 1 if colors.size else 0
-
-
+# ------------------------------------------------------------------ Jacobians
 def _check_shape(pattern: Any, expected: tuple, what: str, layout: str) -> None:
     if pattern.shape != expected:
         raise ShapeMismatchError(
@@ -220,73 +486,62 @@ def _check_shape(pattern: Any, expected: tuple, what: str, layout: str) -> None:
         )
 
 
-def _numpy(b: Backend, leaves: list) -> list:
-    return [np.asarray(b.to_numpy(v)) for v in leaves]
+def _jacobian_pattern(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> Any:
+    inner = sparse.inner
+    n = sum(size_of(x) for x in xs)
+    if sparse.probe:  # one dense Jacobian, by the cheaper of n pushforwards and m pullbacks
+        with inner.scope([*xs, *data]):  # jax evaluates float64 only in its x64 scope
+            m = size_of(fn(xs, data)[0])
+        forward = inner.has_forward and (n <= m or not inner.has_reverse)
+        fwd, rev = jacobian_products(inner, fn, xs, data, np.eye(n) if forward else None,
+                                     None if forward else np.eye(m))
+        return _clean(_sp().csr_matrix(fwd.T if forward else rev))  # type: ignore[union-attr]
+    if sparse.sparsity is not None:
+        with inner.scope([*xs, *data]):
+            m = size_of(fn(xs, data)[0])
+        _check_shape(sparse.sparsity, (m, n), "Jacobian", "(y.size, x.size)")
+        return sparse.sparsity
+    return _clean(flat_jacobian_sparsity(fn, _numpy(inner, xs), _numpy(inner, data)))
+
+
+def _jacobian_plan(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> _Plan:
+    pattern = _jacobian_pattern(sparse, fn, xs, data)
+    return _jacobian_coloring(sparse, pattern, sparse.sparsity is not None)
 
 
 def sparse_jacobian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list) -> Any:
     """The CSR Jacobian of ``fn`` at ``xs`` by ``plan``'s compressed products."""
-    inner = sparse.inner
-    m, n = plan.pattern.shape
     if plan.count == 0:
-        return _sp().csr_matrix((m, n))
-    if plan.mode == "forward":
-        y, _, jvps = inner.flat_value_and_batched_pushforward(fn, xs, data)
-
-        def call(block: np.ndarray) -> np.ndarray:
-            return np.reshape(np.asarray(inner.to_numpy(jvps(_seed_leaves(inner, block, xs)))), (block.shape[0], m))
-    else:
-        y, _, vjps = inner.flat_value_and_batched_pullback(fn, xs, data)
-
-        def call(block: np.ndarray) -> np.ndarray:
-            k = block.shape[0]
-            dys = inner.asarray(block.reshape((k,) + shape_of(y)), dtype_name(y))
-            return _flat_numpy(inner, inner.complete_batched(vjps(dys), xs, k), k)
-
-    return plan.decompress(_compressed(inner, plan.seeds, call), approximates(inner, 1), order=1)
+        return _sp().csr_matrix(plan.pattern.shape)
+    forward, reverse = jacobian_products(sparse.inner, fn, xs, data, plan.forward_seeds, plan.reverse_seeds,
+                                         plan.native)
+    return plan.decompress(forward, reverse, approximates(sparse.inner, 1), order=1)
 
 
 # ------------------------------------------------------------------ Hessians
-def _hessian_plan(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> _Plan:
-    inner = sparse.inner
+def _hessian_pattern(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> Any:
     n = sum(size_of(x) for x in xs)
+    if sparse.probe:  # one dense Hessian: n Hessian-vector products
+        mode = "forward" if sparse.mode != "reverse" and sparse.inner.has_forward else "reverse"
+        return _clean(_sp().csr_matrix(hessian_products(sparse, fn, xs, data, np.eye(n), mode).T))
     if sparse.sparsity is not None:
-        pattern = sparse.sparsity
-        _check_shape(pattern, (n, n), "Hessian", "(x.size, x.size)")
-    else:
-        pattern = flat_hessian_sparsity(fn, _numpy(inner, xs), _numpy(inner, data))
-    mode = "forward" if inner.has_forward else "reverse"  # H is symmetric: rows and columns alike
-    return _Plan(pattern, mode, color_columns(pattern, sparse.coloring), "Hessian", sparse.sparsity is not None)
+        _check_shape(sparse.sparsity, (n, n), "Hessian", "(x.size, x.size)")
+        return sparse.sparsity
+    return _clean(flat_hessian_sparsity(fn, _numpy(sparse.inner, xs), _numpy(sparse.inner, data)))
+
+
+def _hessian_plan(sparse: Sparse, fn: FlatFn, xs: list, data: list) -> _Plan:
+    pattern = _hessian_pattern(sparse, fn, xs, data)
+    return _hessian_coloring(sparse, pattern, sparse.sparsity is not None)
 
 
 def sparse_hessian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list) -> Any:
-    """The CSR Hessian of scalar ``fn`` at ``xs``: compressed Hessian-vector products, forward
-    over reverse (the inner backend's batched pushforward of its gradient) where it has a
-    forward mode, else reverse over reverse."""
-    inner = sparse.inner
-    n = plan.pattern.shape[0]
+    """The CSR Hessian of scalar ``fn`` at ``xs`` from ``plan``'s compressed Hessian-vector products."""
     if plan.count == 0:
-        return _sp().csr_matrix((n, n))
-    shapes = [shape_of(x) for x in xs]
-    store = artefacts(fn, sparse, "sparse hessian")
-    packed = store.get(("packed", tuple(shapes)), lambda: PackedInput(fn, shapes))
-    grad = store.get(("gradient function", tuple(shapes)), lambda: GradientFunction(inner, packed))
-    a = ar()
-    z = a.do("concatenate", [a.do("reshape", x, (size_of(x),)) for x in xs]) if len(xs) > 1 else \
-        a.do("reshape", xs[0], (n,))
-    if plan.mode == "forward":
-        _, _, jvps = inner.flat_value_and_batched_pushforward(grad, [z], data)
-
-        def call(block: np.ndarray) -> np.ndarray:
-            return np.asarray(inner.to_numpy(jvps([inner.asarray(block, dtype_name(z))])))
-    else:
-        _, _, vjps = inner.flat_value_and_batched_pullback(grad, [z], data)
-
-        def call(block: np.ndarray) -> np.ndarray:
-            k = block.shape[0]
-            return _flat_numpy(inner, inner.complete_batched(vjps(inner.asarray(block, dtype_name(z))), [z], k), k)
-
-    return plan.decompress(_compressed(inner, plan.seeds, call), approximates(inner, 2), order=2)
+        return _sp().csr_matrix(plan.pattern.shape)
+    compressed = hessian_products(sparse, fn, xs, data, plan.forward_seeds, plan.hvp_mode,  # type: ignore[arg-type]
+                                  plan.native)
+    return plan.decompress(compressed, None, approximates(sparse.inner, 2), order=2)
 
 
 # ------------------------------------------------------------------ preparations
@@ -294,11 +549,12 @@ def _plan_key(sparse: Sparse, fn: Any, xs: list, data: list) -> tuple[tuple | No
     """``(key, held)``: what a plan depends on besides the flat function (which holds the
     static leaves), and the objects the plan must hold so that the ids in the key stay theirs.
 
-    A given pattern depends on the input shapes only.  A detected one also on the data
-    arguments by value (the one keying policy, :func:`abstractdiff._cache.value_key`) and on
-    what ``f`` reads from globals and closures (:func:`abstractdiff._captures.captures`: a
-    global index array).  ``None``: data without concrete content (keyed by identity only),
-    so the plan is rebuilt rather than cached."""
+    A given pattern depends on the input shapes only.  A detected (or dense-probed) one also
+    on the data arguments by value (the one keying policy, :func:`abstractdiff._cache.value_key`)
+    and on what ``f`` reads from globals and closures (:func:`abstractdiff._captures.captures`:
+    a global index array).  ``None``: data without concrete content (keyed by identity only),
+    so the plan is rebuilt rather than cached.  A dense probe is not keyed on ``x``: its
+    pattern is the first point's (see the guide)."""
     shapes = (tuple(shape_of(v) for v in xs), tuple(shape_of(v) for v in data))
     if sparse.sparsity is not None:
         return shapes, []
@@ -353,21 +609,91 @@ _SPARSE_PREPARATIONS: dict[type, type[Preparation]] = {JacobianPrep: SparseJacob
                                                         HessianPrep: SparseHessianPrep}
 
 
+class _Inspected:
+    """What a prepared sparse operator tells of its plan (that of its preparation point: a
+    call with other data arguments may plan again, and is not what these describe)."""
+
+    preparation: SparseJacobianPrep
+    _plan: _Plan
+
+    def _setup(self, backend: Any, preparation: Any, x: Any, args: tuple, xs: list, data: list,
+               *rest: Any) -> None:
+        super()._setup(backend, preparation, x, args, xs, data, *rest)  # type: ignore[misc]
+        self._plan = preparation.plan(xs, data)
+
+    @property
+    def sparsity(self) -> Any:
+        """The pattern: a boolean ``scipy.sparse`` CSR matrix (a Hessian's symmetrised), a copy."""
+        return self._plan.pattern.copy()
+
+    @property
+    def ncolors(self) -> int:
+        """Compressed products per call, forward and reverse together."""
+        return self._plan.count
+
+    @property
+    def colors(self) -> SparseColors:
+        """The color of each column and row (:class:`SparseColors`)."""
+        return self._plan.colors
+
+    @property
+    def mode(self) -> str:
+        """``"forward"``, ``"reverse"`` or ``"mixed"``: the products of a call."""
+        return self._plan.mode
+
+    @property
+    def coloring(self) -> str:
+        """The coloring: ``"column"``, ``"row"``, ``"bidirectional"``, ``"star"`` or ``"acyclic"``."""
+        return self._plan.kind
+
+
+class SparsePreparedJacobian(_Inspected, PreparedJacobian):
+    """``j(x, *args) -> J`` (CSR), with ``.sparsity``, ``.ncolors`` and ``.colors``."""
+
+
+class SparsePreparedHessian(_Inspected, PreparedHessian):
+    """``h(x, *args) -> H`` (CSR), with ``.sparsity``, ``.ncolors`` and ``.colors``."""
+
+
+_SPARSE_PREPARED = {JacobianPrep.operator: SparsePreparedJacobian, HessianPrep.operator: SparsePreparedHessian}
+
+#: Plan caches of ``Sparse`` backends, per cache key: equal backends share their plans (a
+#: new ``ad.Sparse("jax")`` per call would otherwise detect, color and compile again).
+_PLAN_CACHES: LRU[tuple, PlanCache] = LRU(32)
+
+
 # ------------------------------------------------------------------ the backend
 class Sparse(Backend):
-    """``Sparse(b, sparsity=None, coloring="greedy")``: ``jacobian`` and ``hessian`` as
-    ``scipy.sparse`` CSR matrices by compressed evaluation on ``b``; every other operator is ``b``'s.
+    """``Sparse(b, sparsity=None, coloring="auto", mode="auto")``: ``jacobian`` and ``hessian``
+    as ``scipy.sparse`` CSR matrices by compressed evaluation on ``b``; every other operator is ``b``'s.
 
     ``ad.jacobian(Sparse(b), f, x) -> J``, a ``csr_matrix`` of shape ``(y.size, x.size)``;
     ``ad.hessian(Sparse(b), f, x) -> H`` of shape ``(x.size, x.size)``.  A pytree ``x``
     counts its float leaves raveled and concatenated in flatten order (``y`` likewise).
-    ``sparsity`` is the pattern (a scipy sparse matrix or a boolean array of that shape);
+
+    ``sparsity``: the pattern (a scipy sparse matrix or a boolean array of that shape);
     ``None`` detects it with :func:`~abstractdiff.jacobian_sparsity` /
-    :func:`~abstractdiff.hessian_sparsity`.  ``coloring`` is ``"greedy"`` (networkx,
-    largest first) or ``"natural"``.  Pattern and coloring are built once per function,
-    input shapes and values of the data arguments (prepared operators too: a call with
-    other data detects again); a computed nonzero outside the pattern raises
-    :class:`~abstractdiff.SparsityPatternError`.
+    :func:`~abstractdiff.hessian_sparsity`; ``"dense-probe"`` takes the nonzeros of one dense
+    derivative at the preparation point (valid near that point only: an entry that happens
+    to be zero there is left out).
+
+    ``coloring``: ``"auto"`` colors a Hessian symmetrically (star coloring, read back
+    directly) and a Jacobian by the cheapest of columns (forward), rows (reverse) and both
+    (bidirectional) that the inner backend's modes allow; ``"star"``; ``"acyclic"`` (a
+    Hessian's fewest colors, read back by substitution); ``"column"`` (distance-1 coloring
+    of columns or rows only, as before symmetric colorings).  ``"greedy"`` and
+    ``"natural"`` are ``"auto"`` with the largest-first and the natural vertex order.
+
+    ``mode``: ``"auto"``, or ``"forward"`` / ``"reverse"`` / ``"mixed"`` (bidirectional,
+    Jacobians only) to force the products; a Hessian's mode picks forward-over-reverse or
+    reverse-over-reverse Hessian-vector products.
+
+    Pattern and coloring are built once per function, input shapes and values of the data
+    arguments (prepared operators too: a call with other data detects again), and shared by
+    equal ``Sparse`` backends; a computed nonzero outside the pattern raises
+    :class:`~abstractdiff.SparsityPatternError`.  A prepared sparse operator has
+    ``.sparsity`` (the pattern), ``.ncolors`` (products per call) and ``.colors``
+    (:class:`SparseColors`: ``.columns`` and ``.rows``).
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -378,29 +704,41 @@ class Sparse(Backend):
         >>> np.round(J.toarray(), 6)
         array([[2., 1., 0.],
                [0., 3., 2.]])
+        >>> jac = ad.prepare_jacobian(b, lambda x: x[1:] * x[:-1], np.ones(3))
+        >>> jac.ncolors, jac.sparsity.shape
+        (2, (2, 3))
     """
 
     name = "sparse"
 
-    def __init__(self, backend: str | Backend, sparsity: Any = None, coloring: str = "greedy"):
+    def __init__(self, backend: str | Backend, sparsity: Any = None, coloring: str = "auto", mode: str = "auto"):
         self.inner = _resolve(backend)
-        if coloring not in COLORINGS:
+        if not isinstance(coloring, str) or coloring not in COLORINGS:
             raise InvalidArgumentError(f"coloring must be one of {', '.join(map(repr, COLORINGS))}, got {coloring!r}")
-        self.sparsity = None if sparsity is None else as_pattern(sparsity)
-        self.coloring = coloring
+        if not isinstance(mode, str) or mode not in MODES:
+            raise InvalidArgumentError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        _check_mode(self.inner, mode, coloring)
+        self.probe = isinstance(sparsity, str) and sparsity == DENSE_PROBE
+        self.sparsity = None if sparsity is None or self.probe else as_pattern(sparsity)
+        self.coloring, self.mode = coloring, mode
+        self.kind, self.order = COLORINGS[coloring]
         self.name = f"sparse({self.inner.name})"  # type: ignore[misc]
         self.approximate = self.inner.approximate  # type: ignore[misc]
-        digest = None if self.sparsity is None else _digest(self.sparsity)
-        self.options = {"backend": self.inner, "sparsity": digest, "coloring": coloring}
-        self._plans = PlanCache(numpy_native=self.inner._plans.numpy_native)
+        digest = DENSE_PROBE if self.probe else None if self.sparsity is None else _digest(self.sparsity)
+        # the coloring by meaning: "greedy" is "auto" with the largest-first order, equal to it
+        self.options = {"backend": self.inner, "sparsity": digest, "coloring": self.kind, "order": self.order,
+                        "mode": mode}
+        numpy_native = self.inner._plans.numpy_native
+        self._plans = _PLAN_CACHES.get_or_build((self.cache_key, numpy_native),
+                                                lambda: PlanCache(numpy_native=numpy_native))
 
     def __repr__(self) -> str:
-        given = "detected" if self.sparsity is None else f"given {self.sparsity.shape}"
-        return f"Sparse({self.inner!r}, sparsity={given}, coloring={self.coloring!r})"
+        given = DENSE_PROBE if self.probe else "detected" if self.sparsity is None else f"given {self.sparsity.shape}"
+        return f"Sparse({self.inner!r}, sparsity={given}, coloring={self.coloring!r}, mode={self.mode!r})"
 
     @property
     def cache_key(self) -> tuple:
-        return (Sparse, self.inner.cache_key, self.options["sparsity"], self.coloring)
+        return (Sparse, self.inner.cache_key, self.options["sparsity"], self.kind, self.order, self.mode)
 
     @property
     def device(self) -> str:  # type: ignore[override]
@@ -424,6 +762,29 @@ class Sparse(Backend):
     def preparation(self, cls: type[Preparation], fn: Any, xs: list, data: list) -> Preparation:
         """The inner backend's preparations, but the sparse ones for ``jacobian`` and ``hessian``."""
         return super().preparation(_SPARSE_PREPARATIONS.get(cls, cls), fn, xs, data)
+
+    def prepare(self, operator: str, f: Callable[..., Any], x: Any, args: tuple = (), *, has_aux: bool = False,
+                tangent: Any = None) -> Any:
+        """Backend.prepare, with the inspectable prepared Jacobian and Hessian."""
+        prepared = _SPARSE_PREPARED.get(operator)
+        if prepared is None:
+            return super().prepare(operator, f, x, args, has_aux=has_aux, tangent=tangent)
+        return prepared(self, f, x, args, has_aux)
+
+
+def _check_mode(inner: Backend, mode: str, coloring: str) -> None:
+    needs = {"forward": ("forward",), "reverse": ("reverse",), "mixed": ("forward", "reverse")}.get(mode, ())
+    missing = [m for m in needs if not getattr(inner, f"has_{m}")]
+    if missing:
+        raise ModeMismatchError(
+            f"mode={mode!r} needs the {' and '.join(missing)} mode of the inner backend, which {inner!r} lacks; "
+            f"leave mode='auto' to use the modes it has"
+        )
+    if mode == "mixed" and COLORINGS[coloring][0] != "auto":
+        raise InvalidArgumentError(
+            f"mode='mixed' is the bidirectional coloring of a Jacobian, which coloring={coloring!r} excludes; "
+            f"use coloring='auto'"
+        )
 
 
 _HOOKS_OF_INNER = (*HOOKS["arrays"], *HOOKS["devices"], *HOOKS["pytrees"], "one_hot", "complete",

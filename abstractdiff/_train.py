@@ -1,31 +1,38 @@
 """``train_step`` and ``train``: one loop for explicit models and implicit variables.
 
 The for loop a user writes around :func:`train_step` is the first-class API; :func:`train`
-is a thin convenience over it (epochs, callbacks, a progress bar), returning the updated
-``(state, model)`` as Optimisers.jl does.
+is a thin convenience over it (epochs, callbacks, validation, a history, a progress bar),
+returning the updated ``(state, model)`` as Optimisers.jl does, with the run's
+:class:`History` as an attribute of that pair.
+
+Epochs count from 0 everywhere: ``StepInfo.epoch``, ``EpochInfo.epoch``,
+``History.epochs``, the progress bar and line, and a checkpoint's ``{epoch}`` field.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import numpy as np
-import optree
 
+from . import _pytree as pytree
 from . import optim
 from ._backend import Backend
 from ._cache import WeakLRU
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
+from ._scope import scope
 from ._tree import is_array
+from .callbacks import Callback, as_callbacks
 from .optim._state import _weak as _ref  # weak where the object allows it (see _BoundCache)
 
 if TYPE_CHECKING:
     from ._distributed import DataParallel
 
-__all__ = ["StepInfo", "train", "train_step"]
+__all__ = ["EpochInfo", "History", "StepInfo", "TrainResult", "train", "train_step"]
 
 
 class StepInfo(NamedTuple):
@@ -43,6 +50,88 @@ class StepInfo(NamedTuple):
     state: optim.OptState
 
 
+class EpochInfo(NamedTuple):
+    """What a callback's ``on_epoch_end`` receives after every complete epoch.
+
+    ``epoch`` counts from 0 (as :attr:`StepInfo.epoch`), ``step`` is the global step
+    number at the end of the epoch, ``loss`` the mean of the epoch's step losses (NaN
+    for an epoch without batches), ``metrics`` a dict of everything recorded for the
+    epoch: ``"loss"`` and the validation metrics (``"val_loss"``, ``"val_<name>"``);
+    ``model`` and ``state`` the values at the end of the epoch.
+    """
+
+    epoch: int
+    step: int
+    loss: float
+    metrics: dict
+    model: Any
+    state: optim.OptState
+
+
+class History:
+    """The losses and metrics of one :func:`train` run (Keras's ``History``).
+
+    Attributes:
+        losses: every step's loss, a list of Python floats in step order (the loss
+            before that step's update, as :attr:`StepInfo.loss`).
+        steps: the global step number of each entry of ``losses`` (``state.step``
+            after it: a resumed run starts where the state left off).
+        epochs: the epochs completed, counting from 0.
+        metrics: per-epoch values, one list per name, aligned with ``epochs``:
+            ``"loss"`` (the mean of the epoch's step losses) and, with ``validation=``,
+            ``"val_loss"`` or ``"val_<name>"`` (Keras's ``history.history``).
+
+    An epoch cut short by a callback stopping training has its step losses recorded but
+    no epoch entry.
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.epochs: list[int] = []
+        self.metrics: dict[str, list[float]] = {}
+
+    def __repr__(self) -> str:
+        last = ", ".join(f"{k}={v[-1]:.4g}" for k, v in self.metrics.items() if v)
+        return (f"History({len(self.losses)} steps, {len(self.epochs)} epochs"
+                + (f"; last epoch: {last}" if last else "") + ")")
+
+    def _record_step(self, step: int, loss: float) -> None:
+        self.losses.append(loss)
+        self.steps.append(step)
+
+    def _record_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
+        n = len(self.epochs)
+        for name, value in metrics.items():
+            # a metric first seen now (a validation callable returning a new name) gets NaN before
+            self.metrics.setdefault(name, [math.nan] * n).append(value)
+        for values in self.metrics.values():
+            if len(values) == n:  # a metric missing this epoch
+                values.append(math.nan)
+        self.epochs.append(epoch)
+
+
+class _StateAndModel(NamedTuple):
+    state: optim.OptState
+    model: Any
+
+
+class TrainResult(_StateAndModel):
+    """What :func:`train` returns: the pair ``(state, model)``, with the run's :class:`History`.
+
+    A named 2-tuple, so ``state, model = ad.train(...)`` works as it always did; the
+    history is its attribute: ``run = ad.train(...)``, then ``run.history``,
+    ``run.state``, ``run.model``.
+    """
+
+    history: History
+
+    def __new__(cls, state: optim.OptState, model: Any, history: History | None = None) -> TrainResult:
+        self = super().__new__(cls, state, model)
+        self.history = History() if history is None else history
+        return self
+
+
 def _ar() -> Any:
     import autoray
 
@@ -55,7 +144,7 @@ def _inner(b: Backend) -> Backend:
 
 def _convert_tree(b: Backend, tree: Any) -> Any:
     """Numpy (or other foreign) array leaves as ``b``'s native arrays; everything else as is."""
-    return optree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
+    return pytree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
 
 
 class _Bound:
@@ -180,9 +269,9 @@ def _distributed_start(dp: DataParallel, model: Any, implicit: bool, n_rows: Any
         _broadcast_variables(dp, variables)
         return model
     dp.check_same("the model (structure, shapes, dtypes) and the batch size", [describe(model), n_rows])
-    leaves, treedef = optree.tree_flatten(model)
+    leaves, treedef = pytree.tree_flatten(model)
     arrays = iter(dp.broadcast([a for a in leaves if is_array(a)]))
-    return optree.tree_unflatten(treedef, [next(arrays) if is_array(a) else a for a in leaves])
+    return pytree.tree_unflatten(treedef, [next(arrays) if is_array(a) else a for a in leaves])
 
 
 def _check_distributed(dp: Any) -> None:
@@ -280,17 +369,20 @@ def train_step(
         model = _distributed_start(distributed, model, False, n_rows)
     loss, grads = b.value_and_gradient(loss_fn, model, *batch)
     if distributed is not None:
-        g_leaves, g_def = optree.tree_flatten(grads, none_is_leaf=True)
+        g_leaves, g_def = pytree.tree_flatten(grads, none_is_leaf=True)
         loss, g_leaves = distributed.average(loss, g_leaves, share)
-        grads = optree.tree_unflatten(g_def, g_leaves)
+        grads = pytree.tree_unflatten(g_def, g_leaves)
     holding = "the error's .model and .state are the values"
-    check = _finite_check(step, state, model, loss, optree.tree_leaves(grads), holding)
+    check = _finite_check(step, state, model, loss, pytree.tree_leaves(grads), holding)
     state, model = optim._apply(state, model, grads, check)
     return state, model, loss
 
-
 class _Progress:
-    """A tqdm bar with the running loss if tqdm is installed, else one stderr line per epoch."""
+    """A tqdm bar with the running loss if tqdm is installed, else one stderr line per epoch.
+
+    Epochs are numbered from 0, as in :class:`StepInfo` and the history; the line also
+    says how many of the run's epochs are done (``epoch 0 (1/3): ...``).
+    """
 
     def __init__(self, enabled: bool, total: int | None, epochs: int):
         self.enabled, self.epochs, self.bar = enabled, epochs, None
@@ -308,18 +400,199 @@ class _Progress:
         self.running = loss if self.running is None else 0.9 * self.running + 0.1 * loss
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(epoch=epoch + 1, loss=f"{self.running:.4g}", refresh=False)
+            self.bar.set_postfix(epoch=epoch, loss=f"{self.running:.4g}", refresh=False)
 
-    def end_epoch(self, epoch: int, steps: int) -> None:
-        if self.enabled and self.bar is None and self.running is not None:
-            print(
-                f"epoch {epoch + 1}/{self.epochs}: step {steps}, running loss {self.running:.4g}",
-                file=sys.stderr,
-            )
+    def end_epoch(self, epoch: int, steps: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        shown = {k: f"{v:.4g}" for k, v in metrics.items() if k != "loss"}
+        if self.bar is not None:
+            running = "nan" if self.running is None else f"{self.running:.4g}"
+            self.bar.set_postfix(epoch=epoch, loss=running, **shown)
+            return
+        parts = [f"loss {metrics['loss']:.4g}", *(f"{k} {v}" for k, v in shown.items())]
+        print(f"epoch {epoch} ({epoch + 1}/{self.epochs}): step {steps}, {', '.join(parts)}", file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# ------------------------------------------------------------------ validation
+def _metric(value: Any, what: str) -> float:
+    """A validation value as a Python float; anything but a real number is an error."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, np.generic) or is_array(value):
+        a = np.asarray(to_numpy(value))
+        if a.size == 1 and a.dtype.kind in "fiu":
+            return float(a.reshape(()))
+    raise ArgumentTypeError(
+        f"train: {what} is {value!r:.80}, not a number; the validation function returns a number (the "
+        f"validation loss) or a dict of numbers"
+    )
+
+
+def _widest_float(params: Any) -> str | None:
+    """The widest float dtype of the variables: the dtype float data is cast to (as the
+    adapters do for training batches, so float64 numpy data meets a float32 model)."""
+    names = {_ar().get_dtype_name(optim.read(p)) for p in params}
+    floats = [np.dtype(n) for n in names if n in ("float16", "float32", "float64")]
+    return np.result_type(*floats).name if floats else None
+
+
+class _Validation:
+    """``train``'s ``validation`` argument, checked before any step, as ``metrics(model)``.
+
+    ``None``: nothing.  A function ``validation(model)``, called in ``ad.scope`` of the
+    model's arrays: its number is ``"val_loss"``, each key of its dict ``"val_<key>"``.
+    Otherwise batches as ``data`` (a single tuple of arrays is one batch, Keras's
+    ``validation_data=(x, y)``): ``"val_loss"`` is the mean of ``loss_fn(model, *batch)``
+    over them, computed as training computes the loss but without gradients; a model
+    holding variables gets its other variables (BatchNorm's running statistics) back as
+    they were, so validating does not change it.
+    """
+
+    def __init__(self, validation: Any, loss_fn: Callable[..., Any], b: Backend):
+        self.loss_fn, self.backend, self.fn, self.batches = loss_fn, b, None, None
+        if validation is None:
+            return
+        if callable(validation):
+            self.fn = validation
+            return
+        if isinstance(validation, (str, bytes)) or is_array(validation) or not hasattr(validation, "__iter__"):
+            raise ArgumentTypeError(
+                f"train: validation must be a function validation(model) returning a number or a dict of "
+                f"numbers, or validation batches like data (a list of tuples of arrays, or one tuple "
+                f"(x, y)), got {type(validation).__name__}"
+            )
+        if iter(validation) is validation:
+            raise ArgumentTypeError(
+                "train: validation is a one-shot iterator (e.g. a generator), which would be empty after the "
+                "first epoch; pass a list of batches or another re-iterable collection"
+            )
+        if isinstance(validation, tuple) and validation and all(is_array(a) for a in validation):
+            validation = [validation]  # one batch (x, y), as Keras's validation_data
+        if hasattr(validation, "__len__") and len(validation) == 0:
+            raise InvalidArgumentError("train: validation holds no batches; pass None for no validation")
+        self.batches = validation
+
+    def __call__(self, model: Any) -> dict[str, float]:
+        if self.fn is not None:
+            return self._from_function(model)
+        if self.batches is None:
+            return {}
+        if not self.backend.implicit:
+            return {"val_loss": self._mean_loss(model, model, _inner(self.backend), None)}
+        params = optim.params_of(model)
+        others = _untrained_state(model, params)
+        kept = [np.array(to_numpy(optim.read(v)), copy=True) for v in others]  # a copy: torch shares memory
+        try:
+            values = [optim.read(p) for p in params]
+            return {"val_loss": self._mean_loss(model, values, _inner(self.backend), _widest_float(params))}
+        finally:
+            from ._checkpoint import _to_like
+
+            restored = [_to_like(a, optim.read(v)) for v, a in zip(others, kept)]
+            for v, value in zip(others, restored):
+                optim.write(v, value)
+
+    def _mean_loss(self, model: Any, values: Any, b: Backend, dtype: str | None) -> float:
+        """The mean loss over the batches; ``values`` are the model's arrays, whose
+        precision :func:`~abstractdiff.scope` keeps (jax float64 without x64 mode)."""
+
+        def native(a: Any) -> Any:
+            if not is_array(a) or b.is_native(a):
+                return a
+            floating = dtype is not None and np.asarray(a).dtype.kind == "f"
+            return b.convert(a, dtype) if floating else b.convert(a)
+
+        total, n = 0.0, 0
+        for batch in self.batches:
+            args = pytree.tree_map(native, _as_batch(batch))
+            with scope(values, args):
+                value = self.loss_fn(model, *args)
+            total += _metric(value, "the loss of a validation batch")
+            n += 1
+        if n == 0:
+            raise InvalidArgumentError("train: the validation data yielded no batches")
+        return total / n
+
+    def _from_function(self, model: Any) -> dict[str, float]:
+        values = [optim.read(p) for p in optim.params_of(model)] if self.backend.implicit else model
+        with scope(values):  # jax float64 stays float64 in the user's arithmetic too
+            out = self.fn(model)
+        if not isinstance(out, dict):
+            return {"val_loss": _metric(out, "what the validation function returned")}
+        metrics = {}
+        for key, value in out.items():
+            if not isinstance(key, str):
+                raise ArgumentTypeError(f"train: the validation function returned a dict with the key {key!r}; "
+                                        f"metric names are strings")
+            metrics[f"val_{key}"] = _metric(value, f"the validation metric {key!r}")
+        return metrics
+
+
+# ------------------------------------------------------------------ the loop
+def _check_data(epochs: Any, data: Any) -> None:
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
+        raise InvalidArgumentError(f"train: epochs must be an int >= 0, got {epochs!r}")
+    if epochs > 1 and iter(data) is data:
+        raise ArgumentTypeError(
+            "train: data is a one-shot iterator (e.g. a generator), which would be empty after the "
+            "first epoch; pass a list of batches or another re-iterable collection, or call train "
+            "once per epoch"
+        )
+
+
+def _stops(results: list[Any]) -> bool:
+    return any(r is False for r in results)
+
+
+class _Loop:
+    """One run of :func:`train`: what stays the same from step to step."""
+
+    def __init__(self, loss_fn: Callable[..., Any], b: Backend, distributed: DataParallel | None,
+                 hooks: list[Callback], validation: _Validation, bar: _Progress):
+        self.loss_fn, self.backend, self.distributed = loss_fn, b, distributed
+        self.hooks, self.validation, self.bar = hooks, validation, bar
+        self.history = History()
+
+    def epoch(self, epoch: int, data: Iterable[Any], state: optim.OptState, model: Any) -> tuple:
+        """Every step of one epoch: ``(state, model, mean loss, stopped)``."""
+        total, n = 0.0, 0
+        for batch in data:
+            state, model, loss = train_step(self.loss_fn, model, batch, state, backend=self.backend,
+                                            distributed=self.distributed)
+            value = float(to_numpy(loss))
+            total, n = total + value, n + 1
+            self.history._record_step(state.step, value)
+            self.bar.step(epoch, value)
+            info = StepInfo(epoch, state.step, value, model, state)
+            if _stops([cb.on_step_end(info) for cb in self.hooks]):
+                return state, model, total / n, True
+        return state, model, (total / n if n else math.nan), False
+
+    def end_epoch(self, epoch: int, mean: float, state: optim.OptState, model: Any) -> bool:
+        """Validation, the history, the progress line and the epoch-end callbacks; whether to stop."""
+        metrics = {"loss": mean, **self.validation(model)}
+        self.history._record_epoch(epoch, metrics)
+        self.bar.end_epoch(epoch, state.step, metrics)
+        info = EpochInfo(epoch, state.step, mean, dict(metrics), model, state)
+        return _stops([cb.on_epoch_end(info) for cb in self.hooks])
+
+    def end(self, state: optim.OptState, model: Any) -> tuple[optim.OptState, Any]:
+        for cb in self.hooks:
+            replaced = cb.on_train_end(state, model)
+            if replaced is None:
+                continue
+            if not (isinstance(replaced, tuple) and len(replaced) == 2 and isinstance(replaced[0], optim.OptState)):
+                raise ArgumentTypeError(
+                    f"train: {cb!r}.on_train_end returned a {type(replaced).__name__}; it returns None or a "
+                    f"replacement pair (state, model)"
+                )
+            state, model = replaced
+        return state, model
 
 
 def train(
@@ -330,28 +603,48 @@ def train(
     *,
     backend: Backend | str,
     epochs: int = 1,
-    callbacks: Iterable[Callable[[StepInfo], Any]] = (),
+    callbacks: Iterable[Callable[[StepInfo], Any] | Callback] = (),
+    validation: Any = None,
     progress: bool = True,
     distributed: DataParallel | None = None,
-) -> tuple[optim.OptState, Any]:
+) -> TrainResult:
     """Train for ``epochs`` passes over ``data``: ``train(loss_fn, model, data, state, backend=b) -> (state, model)``.
 
     A thin loop over :func:`train_step`.  ``data`` is an iterable of batches, each a
     tuple of arrays passed as ``loss_fn(model, *batch)``; it must be re-iterable (a
-    list, a dataset, not a generator) when ``epochs > 1``.  After every step each
-    callback is called as ``callback(info)`` with a :class:`StepInfo` (epoch, step,
-    loss, model, state); a callback returning ``False`` (not just a falsy value) stops
-    training after that step.  ``progress=True`` shows a tqdm bar with the running loss
-    when tqdm is installed, else a line per epoch on stderr; ``progress=False`` prints
-    nothing.
+    list, a dataset, not a generator) when ``epochs > 1``.
+
+    The result is a :class:`TrainResult`: the pair ``(state, model)`` (so ``state, model
+    = train(...)``), whose ``.history`` is the run's :class:`History`: every step's loss,
+    and per epoch the mean loss and the validation metrics.
+
+    ``callbacks``: a list of plain functions ``callback(info)``, called after every step
+    with a :class:`StepInfo` (epoch, step, loss, model, state), and of
+    :class:`~abstractdiff.callbacks.Callback` objects, which also hear of the start and
+    end of training and of every epoch's end with an :class:`EpochInfo`
+    (:class:`~abstractdiff.callbacks.EarlyStopping`, :class:`~abstractdiff.callbacks.Checkpoint`).
+    A callback returning ``False`` (not just a falsy value) stops training after that
+    step or epoch, once every callback has seen it.
+
+    ``validation``, evaluated at the end of every epoch, before the epoch-end callbacks:
+    batches like ``data`` (or one tuple ``(x, y)``), whose mean ``loss_fn`` value is
+    ``"val_loss"``; or a function ``validation(model)`` returning a number
+    (``"val_loss"``) or a dict of numbers (each key ``k`` recorded as ``"val_k"``).
+
+    ``progress=True`` shows a tqdm bar with the running loss when tqdm is installed,
+    else a line per epoch on stderr (``epoch 0 (1/3): step 4, loss 0.25, val_loss
+    0.3``); epochs count from 0, as in :class:`StepInfo`.  ``progress=False`` prints nothing.
 
     ``distributed=ad.DataParallel()`` trains data-parallel over the processes of a
-    ``torchrun`` launch (see :func:`train_step`); every process runs the same loop and
-    callbacks, and only rank 0 shows progress.
+    ``torchrun`` launch (see :func:`train_step`); every process runs the same loop,
+    validation and callbacks (so that a decision to stop is the same everywhere), only
+    rank 0 shows progress, and :class:`~abstractdiff.callbacks.Checkpoint` writes on rank 0 only.
 
     Raises:
         NonFiniteError: see :func:`train_step`; ``err.model``/``err.state`` hold
-            everything learned before the failing step.
+            everything learned before the failing step, ``err.history`` the history so far.
+        ArgumentTypeError: a callback that is neither a function nor a ``Callback``
+            instance, a ``validation`` that is neither a function nor batches.
         DistributedError: see :class:`~abstractdiff.DataParallel`.
 
     Example:
@@ -366,15 +659,10 @@ def train(
         >>> state.step, len(losses), np.round(model["w"], 3)
         (20, 20, array([ 1., -1.]))
     """
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
-        raise InvalidArgumentError(f"train: epochs must be an int >= 0, got {epochs!r}")
-    if epochs > 1 and iter(data) is data:
-        raise ArgumentTypeError(
-            "train: data is a one-shot iterator (e.g. a generator), which would be empty after the "
-            "first epoch; pass a list of batches or another re-iterable collection, or call train "
-            "once per epoch"
-        )
-    callbacks = tuple(callbacks)
+    _check_data(epochs, data)
+    hooks = as_callbacks(callbacks)
+    b = backend if isinstance(backend, Backend) else _get_backend(backend)
+    checked = _Validation(validation, loss_fn, b)
     if distributed is not None:
         _check_distributed(distributed)
         progress = progress and distributed.is_main
@@ -383,21 +671,18 @@ def train(
     except TypeError:
         total = None
     bar = _Progress(progress, total, epochs)
+    loop = _Loop(loss_fn, b, distributed, hooks, checked, bar)
     try:
+        for cb in hooks:
+            cb.on_train_begin(state, model, distributed)
         for epoch in range(epochs):
-            for batch in data:
-                state, model, loss = train_step(loss_fn, model, batch, state, backend=backend,
-                                                distributed=distributed)
-                value = float(to_numpy(loss))
-                bar.step(epoch, value)
-                info = StepInfo(epoch, state.step, value, model, state)
-                stop = False
-                for callback in callbacks:
-                    if callback(info) is False:
-                        stop = True
-                if stop:
-                    return state, model
-            bar.end_epoch(epoch, state.step)
+            state, model, mean, stopped = loop.epoch(epoch, data, state, model)
+            if stopped or loop.end_epoch(epoch, mean, state, model):
+                break
+        state, model = loop.end(state, model)
+    except NonFiniteError as err:
+        err.history = loop.history  # type: ignore[attr-defined]
+        raise
     finally:
         bar.close()
-    return state, model
+    return TrainResult(state, model, loop.history)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 import numpy as np
 import optree
 
+from . import _pytree as pytree
 from ._cache import LRU, WeakLRU
 from ._captures import captures
 from ._errors import CollectedError, InvalidOutputError, NonDifferentiableInputError
@@ -77,8 +78,8 @@ _ARRAY_TYPES: set[type] = set()  # leaf types already seen to be arrays (not Pyt
 #: Array types seen to be pytree leaves themselves (``x`` flattens to ``[x]``), for the fast
 #: path of :func:`flatten_call`; a type registered as a pytree node later leaves the set.
 _LEAF_ARRAY_TYPES: set[type] = set()
-_LEAF_TREEDEF = optree.tree_structure(0.0)
-_NO_ARGS_TREEDEF = optree.tree_structure(())
+_LEAF_TREEDEF = pytree.tree_structure(0.0)
+_NO_ARGS_TREEDEF = pytree.tree_structure(())
 #: The plan-cache key of f(x) with one float array x and no arguments, by has_aux.
 _ONE_ARRAY = {
     aux: (_LEAF_TREEDEF, _NO_ARGS_TREEDEF, (0,), (), (), aux) for aux in (False, True)
@@ -169,15 +170,15 @@ class AuxStatics:
     per input signature when the library traces ``f`` and put back after each call, so that
     aux comes back unchanged.
 
-    ``AuxStatics(is_array, flatten=optree.tree_flatten, unflatten=optree.tree_unflatten)``:
+    ``AuxStatics(is_array, flatten=pytree.tree_flatten, unflatten=pytree.tree_unflatten)``:
     ``is_array(leaf)`` says what the compiled function returns; a library with a pytree
     registry of its own passes its flatten and unflatten (jax's ``tree_util``).
     """
 
     __slots__ = ("_is_array", "_flatten", "_unflatten", "_by_signature")
 
-    def __init__(self, is_array: Callable[[Any], bool], flatten: Callable[[Any], tuple] = optree.tree_flatten,
-                 unflatten: Callable[[Any, list], Any] = optree.tree_unflatten):
+    def __init__(self, is_array: Callable[[Any], bool], flatten: Callable[[Any], tuple] = pytree.tree_flatten,
+                 unflatten: Callable[[Any, list], Any] = pytree.tree_unflatten):
         self._is_array, self._flatten, self._unflatten = is_array, flatten, unflatten
         self._by_signature: dict[Hashable, tuple] = {}
 
@@ -285,7 +286,8 @@ class FlatFunction(HasArtefacts):
         self._x_leaf = n_x_leaves == 1 and diff_index == (0,) and x_treedef == _LEAF_TREEDEF
         n_args = args_treedef.num_children
         self._array_args = (
-            self._x_leaf and args_treedef.num_leaves == n_args and data_index == tuple(range(1, 1 + n_args))
+            self._x_leaf and args_treedef.num_leaves == n_args and args_treedef.num_nodes == n_args + 1
+            and data_index == tuple(range(1, 1 + n_args))
         )
         self._one_array = self._array_args and n_args == 0
 
@@ -325,8 +327,8 @@ class FlatFunction(HasArtefacts):
         for i, v in zip(self.data_index, data):
             leaves[i] = v
         n = self.n_x_leaves
-        x = optree.tree_unflatten(self.x_treedef, leaves[:n])
-        args = optree.tree_unflatten(self.args_treedef, leaves[n:])
+        x = pytree.tree_unflatten(self.x_treedef, leaves[:n])
+        args = pytree.tree_unflatten(self.args_treedef, leaves[n:])
         return x, args
 
     def __call__(self, xs: list[Any], data: list[Any]) -> tuple[Any, Any]:
@@ -354,7 +356,7 @@ class FlatFunction(HasArtefacts):
         leaves = [fill] * self.n_x_leaves
         for i, v in zip(self.diff_index, values):
             leaves[i] = v
-        return optree.tree_unflatten(self.x_treedef, leaves)
+        return pytree.tree_unflatten(self.x_treedef, leaves)
 
     def __repr__(self) -> str:
         f = self._f()
@@ -487,13 +489,14 @@ def register_pytree_node(
     ``flatten(obj) -> (children, metadata)`` (or ``(children, metadata, entries)``) and
     ``unflatten(metadata, children) -> obj``.  Without it, an object of a class that
     abstractdiff does not know is a static leaf (data, no gradient), and one registered
-    only with another registry (``jax.tree_util``, an optree namespace of your own) is
-    refused with an error rather than silently left without a gradient.
+    only in an optree namespace of your own is refused with an error rather than silently
+    left without a gradient.  Classes of ``jax.tree_util`` and ``torch.utils._pytree`` need
+    no registering: they are flattened as their library flattens them (:mod:`abstractdiff._pytree`).
 
-    The node goes in optree's global registry, the one plain ``optree`` calls consult
-    (optree's public function only accepts a named namespace; the global one is reached
-    through its documented sentinel, with the ``"abstractdiff"`` namespace as a fallback
-    if a later optree refuses it).
+    The node goes in abstractdiff's own registry (optree's ``"abstractdiff"`` namespace,
+    :mod:`abstractdiff._pytree`), so that optree's global registry, which other code reads,
+    is left as it was: your own optree calls see it with ``namespace="abstractdiff"``
+    (``optree.tree_map(f, tree, namespace="abstractdiff")``), as they see ``ad.Grads``.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -506,14 +509,7 @@ def register_pytree_node(
         (array([2., 2.]), 1.0)
     """
     _LEAF_ARRAY_TYPES.discard(cls)
-    sentinel = getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
-    if sentinel is not None:
-        try:
-            optree.register_pytree_node(cls, flatten, unflatten, namespace=sentinel)
-            return cls
-        except (TypeError, ValueError):
-            pass
-    optree.register_pytree_node(cls, flatten, unflatten, namespace="abstractdiff")
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=pytree.NAMESPACE)
     return cls
 
 
@@ -529,7 +525,7 @@ def foreign_container(leaf: Any) -> str | None:
     # optree's registry of namespaced nodes; private, so only consulted, never relied on
     registry = getattr(optree.registry, "_NODETYPE_REGISTRY", {})
     for key in list(registry):
-        if isinstance(key, tuple) and len(key) == 2 and key[1] is type(leaf):
+        if isinstance(key, tuple) and len(key) == 2 and key[1] is type(leaf) and key[0] != pytree.NAMESPACE:
             return f"the optree namespace {key[0]!r}"
     return None
 
@@ -650,8 +646,8 @@ def flatten_call(
         key = structure = _ONE_ARRAY[has_aux]
         x_treedef, a_treedef = _LEAF_TREEDEF, _NO_ARGS_TREEDEF
     else:
-        x_leaves, x_treedef = optree.tree_flatten(x)
-        a_leaves, a_treedef = optree.tree_flatten(args)
+        x_leaves, x_treedef = pytree.tree_flatten(x)
+        a_leaves, a_treedef = pytree.tree_flatten(args)
         diff_index = []
         data_index = []
         static = []

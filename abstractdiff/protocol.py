@@ -18,7 +18,12 @@ library:
 * its arrays (conversions), its devices, its pytree registry, and optionally the
   custom-derivative hook (:meth:`~Adapter.custom_function`), a compile step
   (:meth:`~Adapter.direct_prepared`) and variable hooks (:attr:`~Adapter.variables`, for
-  libraries with mutable state).
+  libraries with mutable state);
+* optionally its loop primitives: an adapter sets ``self.loops`` to an object with
+  ``fori_loop(lower, upper, body, init)``, ``scan(f, init, xs, length)`` and
+  ``while_loop(cond, body, init)`` on flat leaf lists (``ad.fori_loop`` and friends run on
+  them, traced once; a hook may return ``NotImplemented`` for the core's Python loop).  It is
+  an instance attribute, not one of this class's names, which are at their limit.
 
 Every default is numpy's, so an adapter writes only where its library differs.  This
 module imports no other module of abstractdiff.  Adapters written against the older design,
@@ -194,9 +199,19 @@ class Adapter:
         return ["cpu"]
 
     # ---------------------------------------------------------------- pytrees
-    def is_pytree_node(self, obj: Any) -> bool:
-        """Whether ``obj`` is a container of the library's own pytree registry."""
-        return False
+    def pytree_node(self, obj: Any) -> tuple[Callable[[Any], tuple], Callable[[Any, Any], Any]] | None:
+        """``(flatten, unflatten)`` when ``obj``'s class is a container of the library's own pytree
+        registry (a class registered with ``jax.tree_util``, ``torch.utils._pytree``), else ``None``.
+
+        In optree's convention: ``flatten(obj) -> (children, metadata)`` one level down, and
+        ``unflatten(metadata, children) -> obj``; ``metadata`` hashable and compared by value.
+        The core registers the class in its own registry the first time it meets one, only
+        when the library is already imported (:mod:`abstractdiff._pytree`), and flattens it so
+        everywhere: ``x``, arguments, aux, gradients, optimiser state, checkpoints.  A child
+        that must stay static data however it looks (a float that the library's own gradient
+        leaves alone) is returned boxed in :class:`abstractdiff._pytree.Static`.
+        """
+        return None
 
     # --------------------------------------------------- custom derivatives
     def custom_function(

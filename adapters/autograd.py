@@ -18,11 +18,11 @@ import autograd
 import autograd.extend
 import autograd.numpy as anp
 import numpy as np
-import optree
 from autograd.core import make_jvp, make_vjp
 from autograd.numpy.numpy_boxes import ArrayBox
 from autograd.tracer import Box, getval
 
+from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import check_scalar, shape_of, size_of
 from abstractdiff._errors import ArgumentTypeError
 from abstractdiff.protocol import Adapter
@@ -79,7 +79,7 @@ class _Traced:
         elif not (isinstance(y, Box) and y._trace == level):
             y = y + 0.0 * anp.sum(xs[0])
         if aux is not None:
-            self.aux = optree.tree_map(lambda a: a._value if isinstance(a, Box) and a._trace == level else a, aux)
+            self.aux = pytree.tree_map(lambda a: a._value if isinstance(a, Box) and a._trace == level else a, aux)
         return y
 
 

@@ -22,6 +22,7 @@ Two jax habits shape this module:
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -31,9 +32,12 @@ import numpy as np
 from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._compose import ForeignKernel, boundary_error
 from abstractdiff._custom import mode_refusal
-from abstractdiff._errors import ArgumentTypeError, CompositionError, TracedControlFlowError
+from abstractdiff._errors import ArgumentTypeError, CompositionError, LoopDerivativeError, TracedControlFlowError
+from abstractdiff._pytree import Static, unbox
 from abstractdiff._tree import AuxStatics, HasArtefacts, _static_key, artefacts
 from abstractdiff.protocol import Adapter
+
+from . import _keras
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
 _WIDE_SET = frozenset(_WIDE)
@@ -68,6 +72,18 @@ _DIRECT_OPERATORS = frozenset({
 
 def _wants_x64(*groups: list) -> bool:
     return any(getattr(a, "dtype", None) in _WIDE for group in groups for a in group)
+
+
+def _fresh(a: Any) -> Any:
+    """A numpy array as a new object over the same memory (no copy), for jax to convert.
+
+    jax (0.10) keeps what it canonicalised a numpy array to per array object, not per x64
+    mode, while a trace that captured the array lives: an int64 ``idx`` closed over by a
+    function traced in the x64 scope then converts, outside it, to an int32 array over an
+    int64 buffer (and a float64 array seen by a float32 trace, inside the scope, to a
+    float64 array over a float32 buffer), which a compiled call refuses or misreads.  A
+    view jax has never seen is canonicalised in the mode of this conversion."""
+    return a.view() if isinstance(a, np.ndarray) else a
 
 
 def _platform_devices(platform: str) -> list[Any]:
@@ -139,10 +155,49 @@ def _second_order_error(kernel: Any) -> CompositionError:
     )
 
 
+def _typed(values: list, like: list) -> list:
+    # lax's loops need a step to return its carry's exact types, weak types included
+    return [jax.lax.convert_element_type(v, jnp.result_type(c)) for v, c in zip(values, like)]
+
+
+class _Loops:
+    """ad.fori_loop, ad.scan and ad.while_loop on lax's loops (the adapter guide's "Loops")."""
+
+    def fori_loop(self, lower: int, upper: int, body: Callable, init: list) -> list:
+        init = _typed(init, init)  # static bounds: lax lowers it to a scan, which reverse mode takes
+        return jax.lax.fori_loop(lower, upper, lambda i, c: _typed(body(i, list(c)), c), init)
+
+    def scan(self, f: Callable, init: list, xs: list, length: int) -> tuple:
+        def step(c: list, x: list) -> tuple:
+            new, y = f(list(c), list(x))
+            return _typed(new, c), y
+
+        return jax.lax.scan(step, _typed(init, init), xs, length=length)
+
+    def while_loop(self, cond: Callable, body: Callable, init: list) -> list:
+        step = lambda c: _typed(body(list(c)), c)  # noqa: E731
+        return jax.lax.while_loop(lambda c: cond(list(c)), step, _typed(init, init))
+
+
+def _loop_errors(traced: Callable) -> Callable:
+    """``traced`` with jax's refusal to reverse a while loop as the core's error (at trace time)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return traced(*args, **kwargs)
+        except ValueError as err:
+            if "Reverse-mode differentiation does not work for lax.while_loop" not in str(err):
+                raise
+            raise LoopDerivativeError(
+                "reverse mode (a gradient, pullback or Hessian) through ad.while_loop, which jax cannot reverse: "
+                "use ad.fori_loop with a bound (or ad.scan), or forward mode (pushforward, jacfwd)"
+            ) from err
+    return call
+
+
 class JaxAdapter(Adapter):
     name = "jax"
     extra = "jax"
-    modules = ("jax", "jaxlib")
+    modules = ("jax", "jaxlib", "keras")
     fast_routes = {
         "prepare_value_and_gradient": "prepare_value_and_gradient",  # the per-call form too (PER_CALL_ROUTES)
         "prepare_jacobian": "prepare_jacobian",
@@ -168,6 +223,8 @@ class JaxAdapter(Adapter):
         #: Python executions of user functions under this backend's transforms; a
         #: compiled call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
+        self.variables = _keras.StatelessVariables(self, "jax")  # Keras 3 variables: jax arrays are immutable
+        self.loops = _Loops()  # the loop hooks (ad.scan...): lax's loops, traced once
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -217,7 +274,7 @@ class JaxAdapter(Adapter):
 
     def from_numpy(self, a: np.ndarray) -> Any:
         with self._scope(a.dtype in _WIDE):
-            return jax.device_put(a, self._device)
+            return jax.device_put(_fresh(a), self._device)
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)
@@ -239,11 +296,22 @@ class JaxAdapter(Adapter):
     def asarray_like(self, a: np.ndarray, like: Any) -> Any:
         device = next(iter(like.devices())) if hasattr(like, "devices") else self._device
         with self._scope(a.dtype in _WIDE):
-            return jax.device_put(a, device)
+            return jax.device_put(_fresh(a), device)
 
-    def is_pytree_node(self, obj: Any) -> bool:
-        # registered with jax.tree_util: jax flattens it, optree (and so abstractdiff) does not
-        return not jax.tree_util.all_leaves([obj])
+    def pytree_node(self, obj: Any) -> tuple[Callable, Callable] | None:
+        # registered with jax.tree_util (Equinox modules, register_dataclass, Flax structs):
+        # flattened one level as jax does; an Equinox module's Python floats stay static, as
+        # eqx.filter_grad leaves them (an eqx.nn.Dropout's p is no parameter)
+        if jax.tree_util.all_leaves([obj]):
+            return None
+        equinox = sys.modules.get("equinox")
+        floats_static = equinox is not None and isinstance(obj, equinox.Module)
+
+        def flatten(node: Any) -> tuple[list, Any]:
+            children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)
+            return [Static(c) if floats_static and type(c) is float else c for c in children], treedef
+
+        return flatten, lambda treedef, children: jax.tree_util.tree_unflatten(treedef, unbox(children))
 
     def scope(self, arrays: Any) -> Any:
         # arithmetic on float64 jax arrays outside the scope truncates to float32; the scope
@@ -297,7 +365,8 @@ class JaxAdapter(Adapter):
             return build()
         # jit caches per input shapes and dtypes itself; the x64 mode changes what a trace
         # means (float64 inputs are float32 outside it), so it is part of the variant
-        return fn.artefacts(self.backend, operator).get(x64, lambda: jax.jit(build()) if self.compile else build())
+        traced = lambda: _loop_errors(build())  # noqa: E731
+        return fn.artefacts(self.backend, operator).get(x64, lambda: jax.jit(traced()) if self.compile else traced())
 
     # ------------------------------------------------------------- primitives
     # The forward pass (jax.vjp or jax.linearize) and the application of its closure are two
@@ -334,7 +403,7 @@ class JaxAdapter(Adapter):
             return lambda residuals, arg: apply(jax.tree_util.tree_unflatten(treedef, residuals), arg)
 
         # uncompiled, each call linearises afresh and its tree is new: nothing to keep for reuse
-        compiled = self._compiled(fn, name, (x64, treedef), build) if self.compile else build()
+        compiled = self._compiled(fn, name, (x64, treedef), build) if self.compile else _loop_errors(build())
 
         def call(arg: Any) -> Any:
             with self._scope(x64):
@@ -494,7 +563,8 @@ class JaxAdapter(Adapter):
         signature, fn = prepared.signature, prepared.fn
         offset = 1 if prepared.operator in ("hvp", "gradient_and_hvp") else 0  # arguments start after v
         n_args = fn.args_treedef.num_children
-        whole_args = fn.args_treedef.num_leaves == n_args  # every argument is one leaf
+        # every argument is one leaf (not a container of one: {"w": w} has two nodes)
+        whole_args = fn.args_treedef.num_leaves == n_args and fn.args_treedef.num_nodes == n_args + 1
         static_keys = sorted((i - fn.n_x_leaves + offset, key) for i, _, key in signature.static)
         static = [i for i, _ in static_keys]
         if (

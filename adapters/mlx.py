@@ -64,9 +64,9 @@ from typing import Any, Callable, ContextManager, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-import optree
 from mlx.utils import tree_flatten
 
+from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import bfloat16_numpy, check_scalar, signature
 from abstractdiff._cache import WeakLRU
 from abstractdiff._derived import DerivedOperators
@@ -304,7 +304,7 @@ class _Traced:
     def __init__(self, adapter: MLXAdapter, fn: FlatFn, operator: str | None = None):
         self.adapter, self.fn, self.operator = adapter, fn, operator
         # None is a leaf of aux here: f's None values come back as they were
-        self.statics = AuxStatics(adapter.is_native, functools.partial(optree.tree_flatten, none_is_leaf=True))
+        self.statics = AuxStatics(adapter.is_native, functools.partial(pytree.tree_flatten, none_is_leaf=True))
 
     def __call__(self, xs: list, data: list) -> tuple[Any, list]:
         self.adapter.trace_count += 1
@@ -391,7 +391,7 @@ class _Variables:
             floating = isinstance(a, mx.array) and a.dtype != dtype and mx.issubdtype(a.dtype, mx.floating)
             return a.astype(dtype) if floating else a
 
-        return optree.tree_map(fit, args) if args else args
+        return pytree.tree_map(fit, args) if args else args
 
 
 class MLXAdapter(Adapter):

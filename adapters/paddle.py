@@ -59,9 +59,9 @@ import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import optree
 
 from abstractdiff import _errors
+from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import bfloat16_numpy, check_scalar, size_of
 from abstractdiff._errors import ArgumentTypeError, CompositionError, ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
@@ -167,7 +167,7 @@ def _operator(method: Callable, dynamic: bool = True) -> Callable:
 
 
 def _detached(tree: Any) -> Any:
-    return optree.tree_map(lambda v: v.detach() if isinstance(v, paddle.Tensor) else v, tree)
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, paddle.Tensor) else v, tree)
 
 
 #: paddle's backward engine is not safe to run from two threads at once (double frees and
@@ -348,7 +348,7 @@ class _Variables:
                 a = paddle.cast(a, dtype)
             return a if a.place == place else a.to(place)
 
-        return optree.tree_map(fit, args)
+        return pytree.tree_map(fit, args)
 
 
 class PaddleAdapter(Adapter):

@@ -45,7 +45,6 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import optree
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
@@ -68,6 +67,7 @@ from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.sharedvar import TensorSharedVariable
 from pytensor.tensor.variable import TensorConstant, TensorVariable
 
+from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
@@ -181,7 +181,7 @@ def _split_aux(aux: Any) -> tuple[list, Any]:
     """The symbolic leaves of ``aux`` (compiled as extra outputs) and how to put it back together."""
     if aux is None:
         return [], None
-    leaves, treedef = optree.tree_flatten(aux)
+    leaves, treedef = pytree.tree_flatten(aux)
     where = [i for i, leaf in enumerate(leaves) if _is_symbolic(leaf)]
     template = [None if i in where else leaf for i, leaf in enumerate(leaves)]
     return [leaves[i] for i in where], (treedef, template, where)
@@ -194,7 +194,7 @@ def _merge_aux(meta: Any, values: list) -> Any:
     leaves = list(template)
     for i, v in zip(where, values):
         leaves[i] = v
-    return optree.tree_unflatten(treedef, leaves)
+    return pytree.tree_unflatten(treedef, leaves)
 
 
 class _Compiled:
@@ -234,6 +234,44 @@ class _ImplicitCall:
         return check_output(y), aux
 
 
+def _typed(values: list, like: list) -> list:
+    # scan needs a step to return its carry's exact types (dtype and static shape)
+    return [c.type.filter_variable(pt.cast(v, c.dtype)) for v, c in zip(values, like)]
+
+
+def _scanned(step: Callable, **options: Any) -> list:
+    return pytensor.scan(step, return_list=True, return_updates=False, **options)
+
+
+class _Loops:
+    """ad.fori_loop and ad.scan as one ``pytensor.scan`` on symbolic values (numpy values take
+    the core's Python loop); the body is traced once and values it reads by closure are found
+    by scan itself."""
+
+    def fori_loop(self, lower: int, upper: int, body: Callable, init: list) -> list:
+        init = [pt.as_tensor_variable(c) for c in init]
+        out = _scanned(lambda i, *c: _typed(body(i, list(c)), init), sequences=[pt.arange(lower, upper)],
+                       outputs_info=init)
+        return [o[-1] for o in out]
+
+    def scan(self, f: Callable, init: list, xs: list, length: int) -> tuple:
+        init, xs = [pt.as_tensor_variable(c) for c in init], [pt.as_tensor_variable(x) for x in xs]
+        ys = f(init, [x[0] for x in xs])[1]  # one step traced apart: how many ys (its graph is dropped)
+
+        def step(*args: Any) -> list:
+            new, y = f(list(args[len(xs):]), list(args[:len(xs)]))
+            return [*_typed(new, init), *y]
+
+        out = _scanned(step, sequences=xs, outputs_info=[*init, *[None] * len(ys)], n_steps=length)
+        return [o[-1] for o in out[:len(init)]], out[len(init):]
+
+    def while_loop(self, cond: Callable, body: Callable, init: list) -> list:
+        raise InvalidArgumentError(
+            "ad.while_loop cannot run on symbolic PyTensor values: pytensor.scan needs a number of steps "
+            "(it allocates them); use ad.fori_loop or ad.scan with a bound"
+        )
+
+
 class PyTensorAdapter(Adapter):
     name = "pytensor"
     extra = "pytensor"
@@ -262,6 +300,7 @@ class PyTensorAdapter(Adapter):
         #: Python executions of user functions on symbolic inputs.
         self.trace_count = 0
         self.variables = _Variables(self)
+        self.loops = _Loops()  # the loop hooks (ad.scan...): pytensor.scan
 
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
@@ -413,7 +452,7 @@ class PyTensorAdapter(Adapter):
         dtype = _float_dtype(wrt, data)
         y = _narrow(pt.as_tensor_variable(y), dtype)
         if aux is not None and dtype is not None:
-            aux = optree.tree_map(lambda a: _narrow(a, dtype) if _is_symbolic(a) else a, aux)
+            aux = pytree.tree_map(lambda a: _narrow(a, dtype) if _is_symbolic(a) else a, aux)
         if operator is not None:
             _check_scalar(y, operator)
         return y, aux

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import optree
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe  # whether tapes and accumulators watch a loop's carry
 from tensorflow.python.eager import record as _record  # recording ops on tapes and accumulators
 
 import abstractdiff._operators
@@ -33,12 +33,13 @@ from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
     CompositionError,
-    ModeMismatchError,
     TracedControlFlowError,
 )
 from abstractdiff._hooks import AdapterHooks
 from abstractdiff._tree import Artefacts, AuxStatics, HasArtefacts, check_output, split_aux
 from abstractdiff.protocol import Adapter
+
+from . import _keras
 
 _ZERO = tf.UnconnectedGradients.ZERO
 
@@ -112,17 +113,6 @@ def _check_scalar(y: Any, operator: str) -> None:
 def _watched(tape: tf.GradientTape, xs: list) -> list:
     tape.watch(xs)
     return xs
-
-
-def _keras_variable_type() -> Any:
-    keras = sys.modules.get("keras")  # Keras is never imported here: its variables exist only if it is
-    return getattr(keras, "Variable", ()) if keras is not None else ()
-
-
-def _tf_variable(v: Any) -> Any:
-    """The ``tf.Variable`` a tape watches: Keras 3 variables wrap one in ``.value``."""
-    keras_variable = _keras_variable_type()
-    return v.value if keras_variable and isinstance(v, keras_variable) else v
 
 
 def _dense(g: Any) -> Any:
@@ -215,28 +205,22 @@ def _refusing(t: Any, kernel: Any, watched: bool) -> Any:
 
 
 class _Variables:
-    """The variable hooks (the adapter's ``variables``): ``tf.Variable``, and Keras 3 variables
-    (on the tensorflow Keras backend), which wrap one."""
+    """The variable hooks (the adapter's ``variables``): ``tf.Variable`` (and ``tf.Module``);
+    Keras 3 variables (on the tensorflow Keras backend), which wrap one, are added by
+    :class:`_keras.WithKerasVariables`."""
 
     def __init__(self, adapter: TensorFlowAdapter):
         self.adapter = adapter  # its ``backend`` (the holder), set after construction, for core services
 
     def is_variable(self, v: Any) -> bool:
-        keras_variable = _keras_variable_type()
-        return isinstance(v, tf.Variable) or bool(keras_variable) and isinstance(v, keras_variable)
+        return isinstance(v, tf.Variable)
 
     def check_variable(self, v: Any, where: str) -> None:
-        if not isinstance(_tf_variable(v), tf.Variable):
-            raise ModeMismatchError(
-                f"{where} is a Keras variable of the {type(v.value).__module__.partition('.')[0]!r} "
-                f"backend; the implicit adapter differentiates Keras models on the tensorflow backend "
-                f"(KERAS_BACKEND=tensorflow)"
-            )
         AdapterHooks.check_variable(self.adapter.backend, v, where)  # the core's dtype check
 
     def model_variables(self, obj: Any) -> tuple[list, int] | None:
-        # tf.Module, Keras layers and models (not a variable, which has .variables too in Keras)
-        if self.is_variable(obj) or not (hasattr(obj, "trainable_variables") and hasattr(obj, "variables")):
+        # tf.Module (not a tf.Variable, which has .variables too)
+        if isinstance(obj, tf.Variable) or not (hasattr(obj, "trainable_variables") and hasattr(obj, "variables")):
             return None
         trainable = list(obj.trainable_variables)
         ids = {id(v) for v in trainable}
@@ -246,44 +230,83 @@ class _Variables:
         return None if self.model_variables(obj) is None else [("", v) for v in obj.variables]
 
     def read(self, var: Any) -> Any:
-        return _tf_variable(var).read_value()
+        return var.read_value()
 
     def write(self, var: Any, value: Any) -> None:
         var.assign(value)
 
     def current_value(self, var: Any) -> Any:
-        return _tf_variable(var).read_value()  # recorded on the tape
+        return var.read_value()  # recorded on the tape
 
     def new_variable(self, value: Any) -> Any:
         return tf.Variable(value)
 
-    def aliases(self, var: Any) -> tuple[Any, ...]:
-        inner = _tf_variable(var)
-        return () if inner is var else (inner,)
-
     def implicit_value_and_gradient(self, f: Callable[..., Any], variables: list, args: tuple, has_aux: bool) -> tuple:
-        watched = [_tf_variable(v) for v in variables]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(watched)
+            tape.watch(variables)
             y, aux = split_aux(f(*args), has_aux)
             y = _implicit_output(y)
         check_scalar(y)
-        grads = tape.gradient(y, watched, unconnected_gradients=_ZERO)
+        grads = tape.gradient(y, variables, unconnected_gradients=_ZERO)
         return y, aux, [_dense(g) for g in grads]
 
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
-        watched = [_tf_variable(v) for v in variables]
         # persistent: the pullback may be called more than once
         with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
-            tape.watch(watched)
+            tape.watch(variables)
             y = _implicit_output(f(*args))
 
         def vjp(dy: Any) -> list:
             dy = tf.cast(self.adapter.backend.cotangent(dy, y), y.dtype)
-            grads = tape.gradient(y, watched, output_gradients=dy, unconnected_gradients=_ZERO)
+            grads = tape.gradient(y, variables, output_gradients=dy, unconnected_gradients=_ZERO)
             return [_dense(g) for g in grads]
 
         return y, vjp
+
+
+def _typed(values: list, like: list) -> list:
+    return [tf.cast(v, c.dtype) for v, c in zip(values, like)]  # tf.while_loop keeps the carry's dtypes
+
+
+def _graph_loop(leaves: list) -> bool:
+    # eagerly, and under two differentiations at once (a ForwardAccumulator cannot go through
+    # tf.while_loop's gradient), the core's Python loop, which the tapes record as it runs
+    tensors = [v for v in leaves if tf.is_tensor(v)]
+    return not tf.executing_eagerly() and pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes(tensors) < 2
+
+
+class _Loops:
+    """ad.fori_loop, ad.scan and ad.while_loop as one tf.while_loop in a graph (tf.function)."""
+
+    def fori_loop(self, lower: int, upper: int, body: Callable, init: list) -> Any:
+        if not _graph_loop(init):
+            return NotImplemented
+        init = [tf.convert_to_tensor(c) for c in init]
+        step = lambda i, c: (i + 1, _typed(body(i, list(c)), c))  # noqa: E731
+        loop = (tf.constant(lower), init)
+        return tf.while_loop(lambda i, _: i < upper, step, loop, maximum_iterations=upper - lower)[1]
+
+    def scan(self, f: Callable, init: list, xs: list, length: int) -> Any:
+        if not _graph_loop(init + xs):
+            return NotImplemented
+        init, xs = [tf.convert_to_tensor(c) for c in init], [tf.convert_to_tensor(x) for x in xs]
+        first, ys = f(init, [x[0] for x in xs])  # step 0 outside the loop: it tells ys' dtypes and shapes
+        ys = [tf.convert_to_tensor(y) for y in ys]
+        arrays = [tf.TensorArray(y.dtype, size=length, element_shape=y.shape).write(0, y) for y in ys]
+
+        def step(i: Any, c: list, arrays: list) -> tuple:
+            new, y = f(list(c), [tf.gather(x, i) for x in xs])
+            return i + 1, _typed(new, c), [a.write(i, v) for a, v in zip(arrays, y)]
+
+        loop = (tf.constant(1), _typed(first, init), arrays)
+        _, carry, arrays = tf.while_loop(lambda i, *_: i < length, step, loop, maximum_iterations=length - 1)
+        return carry, [a.stack() for a in arrays]
+
+    def while_loop(self, cond: Callable, body: Callable, init: list) -> Any:
+        if tf.executing_eagerly():
+            return NotImplemented
+        init = [tf.convert_to_tensor(c) for c in init]
+        return tf.while_loop(lambda c: cond(list(c)), lambda c: (_typed(body(list(c)), c),), (init,))[0]
 
 
 class TensorFlowAdapter(Adapter):
@@ -305,7 +328,8 @@ class TensorFlowAdapter(Adapter):
         self.tf_device = "/CPU:0" if self.device == "cpu" else f"/GPU:{self.device.partition(':')[2]}"
         #: Number of times a tf.function body was traced (tests assert it stays put).
         self.trace_count = 0
-        self.variables = _Variables(self)
+        self.variables = _keras.WithKerasVariables(_Variables(self), "tensorflow")
+        self.loops = _Loops()  # the loop hooks (ad.scan...): tf.while_loop in graphs
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:

@@ -31,8 +31,8 @@ is the core's backend holding a :class:`TorchAdapter`.  Fast routes: the gradien
 once, in its prepared form), the Jacobian (jacrev or jacfwd, whichever is cheaper), the
 Hessian-vector product and the second derivatives of ``torch.func``.  The Hessian is the
 core's (the Jacobian of the gradient, reverse over reverse: 2-3x faster than
-``torch.func.hessian``'s forward over reverse, measured).  Variables: leaf tensors and
-``nn.Module`` parameters (:class:`_Variables`).
+``torch.func.hessian``'s forward over reverse, measured).  Variables: leaf tensors,
+``nn.Module`` parameters, and Keras 3 variables on the torch Keras backend (:class:`_Variables`).
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import optree
 import torch
 import torch.func
+import torch.utils._pytree
 
+from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import bfloat16_numpy, check_scalar
 from abstractdiff._errors import (
     ArgumentTypeError,
@@ -60,6 +61,8 @@ from abstractdiff._errors import (
 )
 from abstractdiff._tree import FlatFunction, artefacts, check_output, split_aux
 from abstractdiff.protocol import Adapter
+
+from . import _keras
 
 FlatFn = Callable[[list, list], tuple]
 
@@ -144,20 +147,21 @@ class _AuxCarrier:
         self.others: list[Any] = []
 
     def pack(self, aux: Any) -> list[torch.Tensor]:
-        leaves, self.treedef = optree.tree_flatten(aux)
+        leaves, self.treedef = pytree.tree_flatten(aux)
         self.others = [self._TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
         return [v for v in leaves if isinstance(v, torch.Tensor)]
 
     def unpack(self, tensors: list[torch.Tensor]) -> Any:
         it = iter(tensors)
         leaves = [next(it) if v is self._TENSOR else v for v in self.others]
-        return optree.tree_unflatten(self.treedef, leaves)
+        return pytree.tree_unflatten(self.treedef, leaves)
 
 
 class _Variables:
     """The variable hooks (the adapter's ``variables``): a torch parameter is a leaf tensor
     that requires grad (an ``nn.Parameter`` or not); ``nn.Module`` gives its parameters and
-    buffers."""
+    buffers.  Keras 3 variables and models on the torch Keras backend are added by
+    :class:`_keras.WithKerasVariables` (through the parameter each one wraps)."""
 
     def __init__(self, adapter: TorchAdapter):
         self.adapter = adapter  # its ``backend`` (the holder), set after construction, for core services
@@ -211,14 +215,14 @@ class _Variables:
         args = _on_device_of(variables, args)
         with torch.enable_grad():
             y, aux = split_aux(f(*args), has_aux)
-            y = self._implicit_output(y, variables)
+            y = self.adapter._tensor(check_output(y, variables))  # a Python number: a constant
             check_scalar(y)
         return y.detach(), _detached(aux), _variable_grads(y, variables)
 
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
         args = _on_device_of(variables, args)
         with torch.enable_grad():
-            y = self._implicit_output(f(*args), variables)
+            y = self.adapter._tensor(check_output(f(*args), variables))
 
         def vjp(dy: Any) -> list:
             # on y's device and dtype: cotangent leaves a native tensor's dtype as it is
@@ -226,13 +230,6 @@ class _Variables:
             return _variable_grads(y, variables, grad_outputs=dy, retain_graph=True)
 
         return y.detach(), vjp
-
-    @staticmethod
-    def _implicit_output(out: Any, variables: list) -> torch.Tensor:
-        # the core refuses a numpy value (it cannot depend on the variables); a Python number
-        # comes back as a 0-d numpy array, a constant
-        y = check_output(out, variables)
-        return y if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
 
 
 def _variable_grads(y: torch.Tensor, variables: list, **options: Any) -> list:
@@ -261,7 +258,7 @@ def _on_device_of(variables: list, args: tuple) -> tuple:
             return a.to(device=device, dtype=dtype)
         return a.to(device) if a.device != device else a
 
-    return optree.tree_map(fit, args)
+    return pytree.tree_map(fit, args)
 
 
 def _in_graph(xs: list, data: list) -> bool:
@@ -277,13 +274,13 @@ def _in_graph(xs: list, data: list) -> bool:
 
 
 def _detached(tree: Any) -> Any:
-    return optree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
 
 
 class TorchAdapter(Adapter):
     name = "torch"
     extra = "torch"
-    modules = ("torch",)
+    modules = ("torch", "keras")
     # each fast route is the method of the operator's own name
     fast_routes = {
         "prepare_value_and_gradient": "prepare_value_and_gradient", "jacobian": "jacobian",
@@ -306,7 +303,7 @@ class TorchAdapter(Adapter):
         #: How many graphs torch.compile has compiled for this backend (a test hook: a repeated
         #: call with the same function, structure, shapes and dtypes must not add one).
         self.compilations = 0
-        self.variables = _Variables(self)
+        self.variables = _keras.WithKerasVariables(_Variables(self), "torch")
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -314,6 +311,13 @@ class TorchAdapter(Adapter):
         if torch.cuda.is_available():
             names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return names
+
+    def pytree_node(self, obj: Any) -> tuple[Callable, Callable] | None:
+        # registered with torch.utils._pytree (its flatten and unflatten, in optree's argument order)
+        node = torch.utils._pytree.SUPPORTED_NODES.get(type(obj))
+        if node is None:
+            return None
+        return node.flatten_fn, lambda context, children: node.unflatten_fn(list(children), context)
 
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
@@ -339,19 +343,13 @@ class TorchAdapter(Adapter):
         return t if t.device == self.torch_device else t.to(self.torch_device)
 
     def to_numpy(self, a: Any) -> np.ndarray:
-        a = a.detach().cpu()
+        a = _keras.native_variable(a).detach().cpu()
         if a.dtype == torch.bfloat16:
             return bfloat16_numpy(a.float().numpy())
         return a.numpy()
 
     def cast(self, a: Any, dtype: str) -> torch.Tensor:
         return a.to(dtype=getattr(torch, dtype))
-
-    def zeros_like(self, a: Any) -> torch.Tensor:
-        return torch.zeros_like(a)
-
-    def ones_like(self, a: Any) -> torch.Tensor:
-        return torch.ones_like(a)
 
     def snapshot(self, a: Any) -> torch.Tensor:
         # Only a tensor sharing a numpy array's memory can change behind torch's back: a

@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(operator_lines))
     if not opts.no_sparse:
         names = [b for b in backends if b in sparse.BACKENDS]
-        print(f"  sparse jacobian / {', '.join(names)} ...", file=sys.stderr, flush=True)
+        print(f"  sparse jacobians and hessians / {', '.join(names)} ...", file=sys.stderr, flush=True)
         sparse_lines = sparse.table(sparse.run(names))
         print("\n".join(sparse_lines))
-        operator_lines = [*operator_lines, "", "Sparse against dense Jacobian, 2-D Laplacian residual with 10^4 "
-                          "unknowns, float64 (`python -m benchmarks.sparse`):", "", *sparse_lines]
+        operator_lines = [*operator_lines, "", "Sparse Jacobians and Hessians against dense and against asdex and "
+                          "sparsejac (2-D Laplacian residual, banded and arrowhead Hessians; 10^4 and 10^5 unknowns), "
+                          "float64 (`python -m benchmarks.sparse`):", "", *sparse_lines]
     compose_lines: list[str] = []
     if not opts.no_compose:
         names = [b for b in backends if b in compose.LIBRARIES]

@@ -477,7 +477,7 @@ def test_params_of_a_module_are_stable_and_skip_frozen(b):
     assert [p.name for p in ps] == ["hidden.weight", "hidden.bias", "scale", "blocks.0.weight", "blocks.0.bias"]
     again = ad.Params(model)
     assert all(p is q for p, q in zip(ps, again))  # the same variables every time
-    assert "2 frozen" in repr(ps)
+    assert "2 non-trainable" in repr(ps)
     assert ps[0].shape == (4, 3) and ps[0].dtype == mx.float32
     np.testing.assert_array_equal(np.asarray(ps[0]), np.asarray(model.hidden.weight))
 

@@ -586,7 +586,7 @@ def make_net(dtype: str = "float32"):
 def test_implicit_with_a_layer():
     net = make_net()
     ps = ad.Params(net)
-    assert len(ps) == 3 and "1 frozen" in repr(ps)
+    assert len(ps) == 3 and "1 non-trainable" in repr(ps)
     x, y = RNG.normal(size=(5, 3)).astype(np.float32), np.ones((5, 1), dtype=np.float32)
 
     def loss(x, y):

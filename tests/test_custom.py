@@ -469,7 +469,7 @@ def test_a_jacobian_takes_the_mode_the_rule_has(name: str) -> None:
     np.testing.assert_allclose(ad.to_numpy(jac), np.diag(2 * np.cos(X)), rtol=1e-12)
 
 
-def test_a_container_abstractdiff_does_not_flatten_is_refused_not_made_a_constant() -> None:
+def test_a_jax_tree_util_class_argument_is_flattened_not_made_a_constant() -> None:
     jax = pytest.importorskip("jax")
     import dataclasses
 
@@ -479,7 +479,22 @@ def test_a_container_abstractdiff_does_not_flatten_is_refused_not_made_a_constan
         w: object
         b: object
 
+    g = ad.custom_vjp(lambda p: p.w * p.b)
+    g.defvjp(lambda p: (p.w * p.b, p), lambda p, ct: (Pair(ct * p.b, ct * p.w),))
+    got = ad.gradient("jax", lambda x: anp.sum(g(Pair(x, 3 * x))), X)
+    # d/dx (x * 3x) through the rule: both of the container's arrays get their part
+    np.testing.assert_allclose(ad.to_numpy(got), 6 * X, rtol=1e-6)
+
+
+def test_a_container_of_another_optree_namespace_is_refused_not_made_a_constant() -> None:
+    import optree
+
+    class Pair:
+        def __init__(self, w, b):
+            self.w, self.b = w, b
+
+    optree.register_pytree_node(Pair, lambda p: ((p.w, p.b), None), lambda _, c: Pair(*c), namespace="elsewhere")
     g = ad.custom_vjp(lambda p: p.w * 2)
     g.defvjp(lambda p: (p.w * 2, None), lambda _, ct: (None,))
-    with pytest.raises(ad.CustomRuleError, match="Pair registered as a pytree node.*jax"):
+    with pytest.raises(ad.CustomRuleError, match="Pair registered as a pytree node.*elsewhere"):
         ad.gradient("jax", lambda x: anp.sum(g(Pair(x, x))), X)

@@ -206,3 +206,63 @@ def test_zero_size_x_has_an_empty_derivative(name, dtype):
     _close(h["w"]["w"], np.diag(6 * tree["w"]), dtype)
     _close(h["e"]["e"], np.zeros((0, 0)), dtype)
     _close(h["e"]["w"], np.zeros((0, 2)), dtype)
+
+
+# ------------------------- jax: a numpy array closed over in one x64 mode, converted in the other
+def _shifted_product_jacobian(x, idx):
+    """The exact Jacobian of ``x[1:] * x[idx]``."""
+    jac = np.zeros((x.size - 1, x.size))
+    rows = np.arange(x.size - 1)
+    np.add.at(jac, (rows, rows + 1), x[idx])
+    np.add.at(jac, (rows, idx), x[1:])
+    return jac
+
+
+@pytest.mark.parametrize("int_dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("order", ["captured first", "argument first"])
+@pytest.mark.parametrize("operator", ["jacobian", "prepare_jacobian", "gradient", "hessian"])
+def test_jax_array_captured_in_x64_then_passed_as_data(operator, order, int_dtype):
+    # jax keeps what it canonicalised a numpy array to per array object, not per x64 mode:
+    # idx closed over by a float64 (x64) trace, then converted as an argument (outside x64,
+    # as int32) became an int32 array over an int64 buffer, which the compiled call refused
+    pytest.importorskip("jax")
+    x = np.random.default_rng(0).normal(size=40)
+    idx = np.arange(39).astype(int_dtype)[::-1].copy()
+    jac = _shifted_product_jacobian(x, idx)
+    hess = np.zeros((40, 40))
+    np.add.at(hess, (np.arange(1, 40), idx), 1.0)
+    hess = hess + hess.T
+    captured_f = lambda x: x[1:] * x[idx]  # noqa: E731
+    argument_f = lambda x, i: x[1:] * x[i]  # noqa: E731
+
+    def run(f, *args):
+        if operator == "jacobian":
+            return ad.jacobian("jax", f, x, *args), jac
+        if operator == "prepare_jacobian":
+            return ad.prepare_jacobian("jax", f, x, *args)(x, *args), jac
+        total = lambda x, *a: anp.sum(f(x, *a))  # noqa: E731
+        if operator == "gradient":
+            return ad.gradient("jax", total, x, *args), jac.sum(axis=0)
+        return ad.hessian("jax", total, x, *args), hess
+
+    calls = [(captured_f,), (argument_f, idx)]
+    for f_and_args in calls if order == "captured first" else calls[::-1]:
+        got, want = run(*f_and_args)
+        assert np.asarray(got).dtype == np.float64
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_jax_float64_array_captured_by_a_float32_trace_then_differentiated():
+    # the float side of the same jax cache: w seen by a float32 trace (outside x64), then
+    # converted as a float64 x inside the x64 scope, became float64 over a float32 buffer
+    pytest.importorskip("jax")
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=30)
+    x32 = rng.normal(size=30).astype(np.float32)
+    np.testing.assert_allclose(ad.gradient("jax", lambda x: anp.sum(x * w.astype(np.float32)), x32),
+                               w.astype(np.float32), rtol=1e-6)
+    np.testing.assert_allclose(ad.gradient("jax", lambda x: anp.sum(x * w), x32), w.astype(np.float32), rtol=1e-6)
+    g = ad.gradient("jax", lambda x: anp.sum(x**3), w)
+    assert g.dtype == np.float64
+    np.testing.assert_allclose(g, 3 * w**2, rtol=1e-12)
+    np.testing.assert_allclose(ad.jacobian("jax", lambda x: x * w, w), np.diag(w), rtol=1e-12)

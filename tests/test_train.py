@@ -254,7 +254,8 @@ def test_progress_without_tqdm_prints_a_line_per_epoch(capsys, monkeypatch):
     state = optim.setup(optim.Descent(0.1), model)
     ad.train(quadratic, model, [(TARGET,)] * 3, state, backend="finite_differences", epochs=2, progress=True)
     err = capsys.readouterr().err
-    assert "epoch 1/2" in err and "epoch 2/2" in err and "running loss" in err
+    # epochs count from 0, as StepInfo.epoch; the fraction is how many of the run's are done
+    assert "epoch 0 (1/2): step 3, loss " in err and "epoch 1 (2/2): step 6, loss " in err
 
 
 # ------------------------------------------------------------------ non-finite steps

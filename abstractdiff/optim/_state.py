@@ -7,8 +7,8 @@ import weakref
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
-import optree
 
+from .. import _pytree as pytree
 from .._arrays import shape_of
 from .._errors import (
     ArgumentTypeError,
@@ -159,7 +159,7 @@ def holds_variables(model: Any) -> bool:
 
     if _is_params(model):
         return True
-    leaves = optree.tree_leaves(model, is_leaf=is_variable_or_model)
+    leaves = pytree.tree_leaves(model, is_leaf=is_variable_or_model)
     return any(_is_variable(v) or model_variables(v) is not None for v in leaves)
 
 
@@ -259,10 +259,10 @@ def setup(rule: Rule, model: Any) -> OptState:
         values = [read(v) for v in params]
         with arithmetic_scope(values):
             return OptState(rule, 0, [rule.init(x) for x in values], True, variables=SetUpFor(params))
-    leaves, treedef = optree.tree_flatten(model)
+    leaves, treedef = pytree.tree_flatten(model)
     with arithmetic_scope(leaves):
         states = [rule.init(_leaf_for_state(x)) if _is_float_leaf(x) else None for x in leaves]
-    return OptState(rule, 0, optree.tree_unflatten(treedef, states), False)
+    return OptState(rule, 0, pytree.tree_unflatten(treedef, states), False)
 
 
 def _is_grads(obj: Any) -> bool:
@@ -353,7 +353,7 @@ def _python_floats_as_arrays(
         if _is_python_float(leaves[i]):
             g = g_leaves[i]
             xs[i] = _like_gradient(leaves[i], g)
-            states[i] = optree.tree_map(lambda a, g=g: _like_gradient(a, g), s_leaves[i])
+            states[i] = pytree.tree_map(lambda a, g=g: _like_gradient(a, g), s_leaves[i])
     return xs, states
 
 
@@ -368,19 +368,19 @@ def _as_leaf_type(new: Any, computed_from: Any, old: Any) -> Any:
 def _update_explicit(
     state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
 ) -> tuple[OptState, Any]:
-    paths, leaves, treedef = optree.tree_flatten_with_path(model)
+    paths, leaves, treedef = pytree.tree_flatten_with_path(model)
     try:
         g_leaves = treedef.flatten_up_to(grads)
     except (ValueError, TypeError) as err:
         raise ShapeMismatchError(
             f"optim.update: grads must have the structure of the model, {treedef}, but have "
-            f"{optree.tree_structure(grads)}"
+            f"{pytree.tree_structure(grads)}"
         ) from err
     try:
         s_leaves = treedef.flatten_up_to(state.tree)
     except (ValueError, TypeError) as err:
         raise ShapeMismatchError(
-            f"optim.update: the state was set up for a model of structure {optree.tree_structure(state.tree)}, "
+            f"optim.update: the state was set up for a model of structure {pytree.tree_structure(state.tree)}, "
             f"not {treedef}; call optim.setup(rule, model) for this model"
         ) from err
     frozen = _frozen_leaves(state, paths)
@@ -394,10 +394,10 @@ def _update_explicit(
         if check is not None:
             check([v for v, x in zip(new_leaves, xs) if v is not x])
     new_leaves = [_as_leaf_type(new, x, old) for new, x, old in zip(new_leaves, xs, leaves)]
-    new_tree = optree.tree_unflatten(treedef, new_states)
+    new_tree = pytree.tree_unflatten(treedef, new_states)
     return (
         state._replace(step=state.step + 1, tree=new_tree, implicit=False),
-        optree.tree_unflatten(treedef, new_leaves),
+        pytree.tree_unflatten(treedef, new_leaves),
     )
 
 
@@ -505,7 +505,7 @@ def _key_path(fn: str, path: Any) -> tuple:
 
 
 def _leaf_paths(state: OptState) -> list[tuple]:
-    return optree.tree_flatten_with_path(state.tree, none_is_leaf=True)[0]
+    return pytree.tree_flatten_with_path(state.tree, none_is_leaf=True)[0]
 
 
 def _check_path(fn: str, state: OptState, path: tuple) -> list[tuple]:
@@ -516,7 +516,7 @@ def _check_path(fn: str, state: OptState, path: tuple) -> list[tuple]:
         tops = sorted({repr(p[0]) for p in paths if p})
         raise InvalidArgumentError(
             f"optim.{fn}: the model has no subtree at the path {path!r}; paths are tuples of dict keys and "
-            f"indices (as optree.tree_flatten_with_path lists them"
+            f"indices (as pytree.tree_flatten_with_path lists them"
             + (", in ad.Params order for variables" if state.implicit else "")
             + f"), starting with one of {', '.join(tops) or 'nothing'}"
         )
@@ -527,7 +527,7 @@ def freeze(state: OptState, path: KeyPath = ()) -> OptState:
     """Exclude a subtree from updates: ``freeze(state, path) -> state`` (Optimisers.jl ``freeze!``).
 
     ``path`` is a key path into the model: a tuple of dict keys and sequence indices, as
-    ``optree.tree_flatten_with_path`` lists them (``("encoder",)``, ``("layers", 0,
+    ``pytree.tree_flatten_with_path`` lists them (``("encoder",)``, ``("layers", 0,
     "w")``); a single key means a path of one, ``()`` the whole model.  In implicit mode
     the model is the list of its variables in ``ad.Params`` order: ``(i,)`` is the
     i-th.  :func:`update` leaves every parameter under a frozen path exactly as it is

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-import optree
 
+from .. import _pytree as pytree
 from .._backend import Backend
 from .._convert import to_numpy
 from .._errors import InvalidArgumentError
@@ -273,11 +273,11 @@ def _compare(
 ) -> tuple[float | None, list[str]]:
     """Max relative error of ``out`` against ``ref`` (numpy, None at non-float leaves) and problems found."""
     problems: list[str] = []
-    paths, ref_leaves, treedef = optree.tree_flatten_with_path(ref, none_is_leaf=True)
+    paths, ref_leaves, treedef = pytree.tree_flatten_with_path(ref, none_is_leaf=True)
     try:
         out_leaves = treedef.flatten_up_to(out)
     except (ValueError, TypeError):
-        got = optree.tree_structure(out, none_is_leaf=True)
+        got = pytree.tree_structure(out, none_is_leaf=True)
         return None, [f"{what} has structure {got}, expected {treedef}"]
     arrays = [np.asarray(r, np.float64) for r in ref_leaves if r is not None]
     scale = max((float(np.max(np.abs(r), initial=0.0)) for r in arrays), default=0.0)
@@ -322,7 +322,7 @@ def _compare(
 
 # ------------------------------------------------------------------- running
 def _native(b: Backend, tree: Any) -> Any:
-    return optree.tree_map(lambda a: b.convert(a) if is_array(a) else a, tree, none_is_leaf=True)
+    return pytree.tree_map(lambda a: b.convert(a) if is_array(a) else a, tree, none_is_leaf=True)
 
 
 def _snapshot(tree: Any) -> Any:
@@ -332,7 +332,7 @@ def _snapshot(tree: Any) -> Any:
 def _unchanged(before: Any, after_tree: Any) -> list[str]:
     after = to_numpy(after_tree)
     try:
-        paths, old, treedef = optree.tree_flatten_with_path(before, none_is_leaf=True)
+        paths, old, treedef = pytree.tree_flatten_with_path(before, none_is_leaf=True)
         new = treedef.flatten_up_to(after)
     except (ValueError, TypeError):
         return ["the input tree's structure was changed in place"]
@@ -478,7 +478,7 @@ def _same_as_unprepared(report: Report, s: Scenario, op: str, part: str, out: An
     if unprepared is None:
         return []  # the unprepared operator failed: reported there
     scale = max((float(np.max(np.abs(np.asarray(r, np.float64)), initial=0.0))
-                 for r in optree.tree_leaves(ref) if r is not None), default=0.0)
+                 for r in pytree.tree_leaves(ref) if r is not None), default=0.0)
     tol = PREPARED_RTOL.get(s.dtype, 1e-6) * max(scale, 1.0)
     _, found = _compare(out, unprepared, rtol=0.0, atol=tol, dtype=None, b=None, what=what)
     return [f"{p.replace('expected', 'unprepared gave')} (prepared and unprepared must agree)" for p in found]
@@ -520,8 +520,8 @@ def _implicit_run(
     try:
         if "vs" not in state:  # one set of variables and one f per scenario, so compiled traces are reused
             vs = variables(s.x, b)
-            float_vars = [v for v, a in zip(optree.tree_leaves(vs, none_is_leaf=True),
-                                            optree.tree_leaves(s.x, none_is_leaf=True))
+            float_vars = [v for v, a in zip(pytree.tree_leaves(vs, none_is_leaf=True),
+                                            pytree.tree_leaves(s.x, none_is_leaf=True))
                           if is_array(a) and is_float_dtype(a.dtype)]
             state.update(vs=vs, float_vars=float_vars, params=Params(float_vars),
                          f=lambda *args: s.f(current_values(vs), *args))
@@ -572,9 +572,9 @@ def _grads_as_tree(s: Scenario, vs: Any, float_vars: list, grads: Any) -> Any:
     if len(grads) != len(float_vars):
         raise InvalidArgumentError(f"Grads has {len(grads)} entries for {len(float_vars)} parameters")
     lookup = {id(v): grads[v] for v in float_vars}
-    leaves, treedef = optree.tree_flatten(vs, none_is_leaf=True)
-    xs = optree.tree_leaves(s.x, none_is_leaf=True)
-    return optree.tree_unflatten(
+    leaves, treedef = pytree.tree_flatten(vs, none_is_leaf=True)
+    xs = pytree.tree_leaves(s.x, none_is_leaf=True)
+    return pytree.tree_unflatten(
         treedef, [lookup[id(v)] if is_array(a) and is_float_dtype(a.dtype) else None for v, a in zip(leaves, xs)]
     )
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import optree
 
+from .. import _pytree as pytree
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._operator_table import OPERATORS as OPERATORS_TABLE
 from .._operator_table import operators_where
@@ -42,7 +42,7 @@ def _is_float_leaf(a: Any) -> bool:
 
 
 def _none_leaf(tree: Any) -> Any:
-    return optree.tree_map(lambda _: None, tree, none_is_leaf=True)
+    return pytree.tree_map(lambda _: None, tree, none_is_leaf=True)
 
 
 @dataclass(eq=False)
@@ -99,7 +99,7 @@ class Scenario:
         self.args = tuple(self.args)
         if not callable(self.f):
             raise ArgumentTypeError(f"Scenario {self.name!r}: f must be callable, got {type(self.f).__name__}")
-        floats = [a for a in optree.tree_leaves(self.x) if _is_float_leaf(a)]
+        floats = [a for a in pytree.tree_leaves(self.x) if _is_float_leaf(a)]
         if not floats:
             raise InvalidArgumentError(
                 f"Scenario {self.name!r}: x has no float array leaf; use numpy float arrays "
@@ -141,18 +141,18 @@ class Scenario:
 
     # ------------------------------------------------------------------ internal
     def _float_paths(self) -> list[bool]:
-        return [_is_float_leaf(a) for a in optree.tree_leaves(self.x, none_is_leaf=True)]
+        return [_is_float_leaf(a) for a in pytree.tree_leaves(self.x, none_is_leaf=True)]
 
     def _map_floats(self, fn: Callable[..., Any], *trees: Any) -> Any:
         """A tree like ``x``: ``fn(leaves...)`` at float leaves, None elsewhere."""
-        leaves, treedef = optree.tree_flatten(self.x, none_is_leaf=True)
+        leaves, treedef = pytree.tree_flatten(self.x, none_is_leaf=True)
         others = [treedef.flatten_up_to(t) for t in trees]
         out = [fn(*(o[i] for o in others)) if _is_float_leaf(a) else None for i, a in enumerate(leaves)]
-        return optree.tree_unflatten(treedef, out)
+        return pytree.tree_unflatten(treedef, out)
 
     def _derive(self) -> None:
         d = self._derived
-        x_leaves = optree.tree_leaves(self.x, none_is_leaf=True)
+        x_leaves = pytree.tree_leaves(self.x, none_is_leaf=True)
         if self.gradient is not None:
             if self.cotangent is None:
                 self.cotangent = np.asarray(0.75, dtype=self.dtype)
@@ -166,8 +166,8 @@ class Scenario:
                 d["pullback"] = self._map_floats(lambda j: np.tensordot(cot, j, axes=ny), self.jacobian)
             if self.tangent is not None:
                 total = np.zeros(np.shape(self.value))
-                jl = optree.tree_flatten(self.x, none_is_leaf=True)[1].flatten_up_to(self.jacobian)
-                tl = optree.tree_flatten(self.x, none_is_leaf=True)[1].flatten_up_to(self.tangent)
+                jl = pytree.tree_flatten(self.x, none_is_leaf=True)[1].flatten_up_to(self.jacobian)
+                tl = pytree.tree_flatten(self.x, none_is_leaf=True)[1].flatten_up_to(self.tangent)
                 for a, j, t in zip(x_leaves, jl, tl):
                     if _is_float_leaf(a):
                         total = total + np.tensordot(j, np.asarray(t, np.float64), axes=np.ndim(a))
@@ -210,8 +210,8 @@ class Scenario:
 
 def _block_product(s: Scenario, row: Any) -> np.ndarray:
     """``sum_j H[i][j] . t_j``: one leaf of the Hessian-vector product from a row of blocks."""
-    treedef = optree.tree_flatten(s.x, none_is_leaf=True)[1]
-    leaves = optree.tree_leaves(s.x, none_is_leaf=True)
+    treedef = pytree.tree_flatten(s.x, none_is_leaf=True)[1]
+    leaves = pytree.tree_leaves(s.x, none_is_leaf=True)
     total: Any = 0.0
     for leaf, block, t in zip(leaves, treedef.flatten_up_to(row), treedef.flatten_up_to(s.tangent)):
         if _is_float_leaf(leaf):
@@ -220,9 +220,9 @@ def _block_product(s: Scenario, row: Any) -> np.ndarray:
 
 
 def _tree_dot(s: Scenario, a: Any, b: Any) -> np.ndarray:
-    treedef = optree.tree_flatten(s.x, none_is_leaf=True)[1]
+    treedef = pytree.tree_flatten(s.x, none_is_leaf=True)[1]
     total = 0.0
-    leaves = optree.tree_leaves(s.x, none_is_leaf=True)
+    leaves = pytree.tree_leaves(s.x, none_is_leaf=True)
     for leaf, u, v in zip(leaves, treedef.flatten_up_to(a), treedef.flatten_up_to(b)):
         if _is_float_leaf(leaf):
             total += float(np.sum(np.asarray(u, np.float64) * np.asarray(v, np.float64)))
@@ -245,12 +245,12 @@ def _rng(seed: int) -> np.random.Generator:
 
 
 def _up(tree: Any) -> Any:
-    return optree.tree_map(lambda a: np.asarray(a, np.float64) if _is_float_leaf(a) else a, tree, none_is_leaf=True)
+    return pytree.tree_map(lambda a: np.asarray(a, np.float64) if _is_float_leaf(a) else a, tree, none_is_leaf=True)
 
 
 def _tangent_like(x: Any, rng: np.random.Generator) -> Any:
     """Random float leaves shaped like ``x``; non-float leaves kept as they are."""
-    return optree.tree_map(
+    return pytree.tree_map(
         lambda a: rng.uniform(-1, 1, np.shape(a)).astype(a.dtype) if _is_float_leaf(a) else a, x, none_is_leaf=True
     )
 
@@ -426,8 +426,8 @@ def _mlp(dt: str) -> Scenario:
     up, uxs, uys = _up(params), _up(xs), _up(ys)
     loss, grads = _mlp_grad(up, uxs, uys)
     step = 1e-30
-    moved = optree.tree_map(lambda p, t: p + 1j * step * np.asarray(t, np.float64), up, tangent)
-    hvp = optree.tree_map(lambda g: np.imag(g) / step, _mlp_grad(moved, uxs, uys)[1])
+    moved = pytree.tree_map(lambda p, t: p + 1j * step * np.asarray(t, np.float64), up, tangent)
+    hvp = pytree.tree_map(lambda g: np.imag(g) / step, _mlp_grad(moved, uxs, uys)[1])
     return Scenario(
         "mlp_loss", f, params, (xs, ys), value=loss, gradient=grads, hvp=hvp, tangent=tangent,
         description="two-layer tanh MLP, mean squared error, nested dict parameters",
@@ -622,9 +622,9 @@ def _spd(b: np.ndarray) -> np.ndarray:
 def _complex_step(grad: Callable[[np.ndarray], Any], x: Any, tangent: Any) -> Any:
     """``H t`` from a closed-form gradient written with analytic operations only."""
     step = 1e-30
-    moved = optree.tree_map(lambda a, t: np.asarray(a, np.float64) + 1j * step * np.asarray(t, np.float64),
+    moved = pytree.tree_map(lambda a, t: np.asarray(a, np.float64) + 1j * step * np.asarray(t, np.float64),
                             x, tangent)
-    return optree.tree_map(lambda g: np.imag(g) / step, grad(moved))
+    return pytree.tree_map(lambda g: np.imag(g) / step, grad(moved))
 
 
 def _cholesky_analytic(a: np.ndarray) -> np.ndarray:

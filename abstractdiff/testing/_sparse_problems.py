@@ -53,6 +53,43 @@ def arrowhead(x: Any) -> Any:
     return anp.sum((x[0] * x[1:]) ** 2) + anp.sum(anp.sin(x))
 
 
+def banded_hessian(x: Any) -> Any:
+    """``sum_i (x_{i+1} - x_i^2)^2 + (x_{i+2} x_i)^2 / 4``: a pentadiagonal Hessian (band 2)."""
+    anp = _anp()
+    return anp.sum((x[1:] - x[:-1] ** 2) ** 2) + anp.sum((x[2:] * x[:-2]) ** 2) / 4
+
+
+def tridiagonal_hessian(x: Any) -> Any:
+    """``sum_i (x_{i+1} - x_i^2)^2 + cos(x_i)``: a tridiagonal Hessian (Rosenbrock-like)."""
+    anp = _anp()
+    return anp.sum((x[1:] - x[:-1] ** 2) ** 2) + anp.sum(anp.cos(x))
+
+
+def block_diagonal_hessian(x: Any, block: int = 5) -> Any:
+    """``sum_b (sum of block b)^2 sin(first of block b)``: dense ``block x block`` diagonal
+    blocks (``x.size`` a multiple of ``block``)."""
+    anp = _anp()
+    g = anp.reshape(x, (shape_of(x)[0] // block, block))
+    return anp.sum(anp.sum(g, axis=1) ** 2 * anp.sin(g[:, 0]))
+
+
+def arrowhead_jacobian(x: Any) -> Any:
+    """``f_0 = sum x^2``, ``f_i = x_0 x_i + sin(x_i)``: a dense first row and a dense first
+    column (``n`` colors for columns or rows alone, a few bidirectionally)."""
+    anp = _anp()
+    head = anp.reshape(anp.sum(x * x), (1,))
+    return anp.concatenate([head, x[0] * x[1:] + anp.sin(x[1:])], like=x)
+
+
+def bordered_banded_jacobian(x: Any) -> Any:
+    """A tridiagonal residual with a dense last row and a dense last column (a bordered
+    band: a coupling constraint and a shared parameter)."""
+    anp = _anp()
+    core = tridiagonal(x[:-1]) * x[-1]
+    border = anp.reshape(anp.sum(anp.sin(x)), (1,))
+    return anp.concatenate([core, border], like=x)
+
+
 # ---------------------------------------------------------------- bundle adjustment
 #: A small instance: 3 cameras (11 parameters each), 10 points (3 each), 20 observations.
 BA_CAMERAS, BA_POINTS, BA_OBSERVATIONS = 3, 10, 20
@@ -104,6 +141,23 @@ def _ba_point() -> np.ndarray:
     cams[:, 9:11] = rng.normal(scale=0.01, size=(BA_CAMERAS, 2))
     pts = rng.normal(size=(BA_POINTS, 3))
     return np.concatenate([cams.ravel(), pts.ravel()])
+
+
+def coloring_problems(n: int = 40) -> list[SparseProblem]:
+    """The problems of the symmetric and bidirectional colorings: arrowhead, tridiagonal,
+    banded and block-diagonal Hessians; arrowhead, bordered-banded and bundle-adjustment
+    Jacobians (``n`` unknowns where the size is free; ``n`` a multiple of 5)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=n)
+    return [
+        SparseProblem("arrowhead_hessian", arrowhead, x, "hessian"),
+        SparseProblem("tridiagonal_hessian", tridiagonal_hessian, x, "hessian"),
+        SparseProblem("banded_hessian", banded_hessian, x, "hessian"),
+        SparseProblem("block_diagonal_hessian", block_diagonal_hessian, x, "hessian"),
+        SparseProblem("arrowhead_jacobian", arrowhead_jacobian, x, "jacobian"),
+        SparseProblem("bordered_banded_jacobian", bordered_banded_jacobian, x, "jacobian"),
+        SparseProblem("bundle_adjustment", bundle_adjustment, _ba_point(), "jacobian"),
+    ]
 
 
 def sparse_problems(grid: int = 6) -> list[SparseProblem]:

@@ -116,6 +116,72 @@ def custom_derivatives_on_every_exact_backend():
         assert report.ok, report
 
 
+@check
+def library_pytrees_on_every_backend():
+    """A jax.tree_util dataclass and an Equinox module are flattened as jax flattens them."""
+    import dataclasses
+
+    import equinox as eqx
+    import jax
+    from autoray import numpy as anp
+
+    import abstractdiff as ad
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Pair:
+        w: object
+        b: object
+
+    for name in ("autograd", "finite_differences", "jax", "tensorflow", "torch"):
+        g = ad.gradient(name, lambda p: anp.sum(p.w**2) + anp.sum(p.w * p.b), Pair(np.array([1.0, 2.0]), np.zeros(2)))
+        assert type(g) is Pair, name
+        np.testing.assert_allclose(ad.to_numpy(g.w), [2.0, 4.0], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ad.to_numpy(g.b), [1.0, 2.0], rtol=1e-5, err_msg=name)
+    model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.PRNGKey(0))
+    x = jax.numpy.ones((3, 2))
+
+    def loss(m, x):
+        return jax.numpy.sum(jax.vmap(m)(x) ** 2)
+
+    got, want = ad.gradient("jax", loss, model, x), eqx.filter_grad(loss)(model, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+_KERAS_STEP = """
+import numpy as np, keras, abstractdiff as ad
+from abstractdiff import optim
+keras.utils.set_random_seed(0)
+a = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+b = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+b.set_weights(a.get_weights())
+x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+y = np.sin(x.sum(axis=1, keepdims=True)).astype("float32")
+loss = lambda m, x, y: keras.ops.mean((m(x) - y) ** 2)
+backend = ad.Implicit(keras.config.backend())
+ad.train_step(loss, a, (x, y), optim.setup(optim.Descent(0.1), a), backend=backend)
+b.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+b.train_on_batch(x, y)
+for u, v in zip(a.get_weights(), b.get_weights()):
+    np.testing.assert_allclose(u, v, atol=1e-5)
+print("keras", keras.config.backend(), "ok")
+"""
+
+
+@check
+def keras_on_every_keras_backend():
+    """One implicit train_step equals Keras's SGD step, KERAS_BACKEND by KERAS_BACKEND."""
+    import os
+    import subprocess
+
+    for name in ("tensorflow", "torch", "jax"):
+        env = {**os.environ, "KERAS_BACKEND": name}
+        proc = subprocess.run([sys.executable, "-c", _KERAS_STEP], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and f"keras {name} ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def main() -> int:
     failed = 0
     for f in CHECKS:
