@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from abstractdiff.adapters.finite_differences import FiniteDifferencesBackend
 
 import abstractdiff as ad
 import abstractdiff._sparse as sparse_module
@@ -20,6 +19,8 @@ from abstractdiff.testing._sparse_problems import (
     tridiagonal,
     tridiagonal_hessian,
 )
+
+from .test_operators import ForwardOnly  # the backend with only a pushforward
 
 EXACT = ("jax", "torch", "autograd", "tensorflow", "mlx", "paddle", "pytensor")
 #: the backends where the color bounds of the issue are asserted
@@ -189,19 +190,6 @@ def test_a_given_pattern_is_left_as_it_was() -> None:
     J.sort_indices()
     J.indices[:] = 0  # a caller writing into its result leaves the plan intact
     assert (j(np.ones(3)).indices == j.sparsity.indices).all()
-
-
-class ForwardOnly(ad.Backend):
-    """Only ``flat_value_and_pushforward`` (finite differences')."""
-
-    name = "forward_only"
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self._fd = FiniteDifferencesBackend()
-
-    def flat_value_and_pushforward(self, fn, xs, data):
-        return self._fd.flat_value_and_pushforward(fn, xs, data)
 
 
 def test_errors() -> None:

@@ -17,20 +17,9 @@ import pytest
 
 import abstractdiff as ad
 from abstractdiff import optim
-from abstractdiff._implicit import current_values
 from abstractdiff.callbacks import Callback, Checkpoint, EarlyStopping
 
-
-def need(name: str):
-    try:
-        return ad.backend(name)
-    except ad.BackendUnavailableError as err:
-        pytest.skip(str(err))
-
-
-def quadratic(model, c):
-    return autoray.do("sum", (current_values(model)["w"] - c) ** 2)
-
+from .test_train import need, quadratic  # the same skip helper and loss
 
 C1, C2 = np.array([1.0, -2.0, 3.0]), np.array([0.5, 0.0, -1.0])
 DATA = [(C1,), (C2,)]
