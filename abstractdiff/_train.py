@@ -21,6 +21,7 @@ from . import _pytree as pytree
 from . import optim
 from ._backend import Backend
 from ._cache import WeakLRU
+from ._compiled_step import compiled_train_step
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
@@ -343,6 +344,12 @@ def train_step(
             )
         if distributed is not None and state.step == 0:
             model = _distributed_start(distributed, model, True, n_rows)
+        holding = "the variables hold the values"
+        if distributed is None:  # the whole step as one compiled call, where the library compiles it
+            done = compiled_train_step(b, loss_fn, model, batch, state,
+                                       lambda: _non_finite(step, state, model, holding), _BOUND.get(loss_fn, model))
+            if done is not None:
+                return done
         params = optim.params_of(model)
         loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
         if distributed is not None:
@@ -350,13 +357,19 @@ def train_step(
 
             loss, values = distributed.average(loss, [grads[p] for p in params], share)
             grads = Grads(params, values)
-        check = _finite_check(step, state, model, loss, [grads[p] for p in params], "the variables hold the values")
+        check = _finite_check(step, state, model, loss, [grads[p] for p in params], holding)
         state, model = optim._apply(state, model, grads, check)
         if distributed is not None:
             # each process's forward pass updated its own buffers (BatchNorm's running
             # statistics) from its own rows: rank 0's win, as in torch's DDP
             _broadcast_variables(distributed, _untrained_state(model, params))
         return state, model, loss
+    holding = "the error's .model and .state are the values"
+    if distributed is None and not state.implicit:  # the whole step as one compiled call, where it compiles
+        # (a model with numpy leaves or variables does not: the checks and conversions below)
+        done = compiled_train_step(b, loss_fn, model, batch, state, lambda: _non_finite(step, state, model, holding))
+        if done is not None:
+            return done
     if state.implicit or optim.holds_variables(model):
         raise ModeMismatchError(
             f"train_step: the model holds variables (an nn.Module, a Keras model or ad.variables) "
@@ -367,12 +380,15 @@ def train_step(
     state = state._replace(tree=_convert_tree(b, state.tree))
     if distributed is not None and state.step == 0:
         model = _distributed_start(distributed, model, False, n_rows)
+    if distributed is None:  # converted now
+        done = compiled_train_step(b, loss_fn, model, batch, state, lambda: _non_finite(step, state, model, holding))
+        if done is not None:
+            return done
     loss, grads = b.value_and_gradient(loss_fn, model, *batch)
     if distributed is not None:
         g_leaves, g_def = pytree.tree_flatten(grads, none_is_leaf=True)
         loss, g_leaves = distributed.average(loss, g_leaves, share)
         grads = pytree.tree_unflatten(g_def, g_leaves)
-    holding = "the error's .model and .state are the values"
     check = _finite_check(step, state, model, loss, pytree.tree_leaves(grads), holding)
     state, model = optim._apply(state, model, grads, check)
     return state, model, loss

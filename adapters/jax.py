@@ -225,6 +225,7 @@ class JaxAdapter(Adapter):
         self.trace_count = 0
         self.variables = _keras.StatelessVariables(self, "jax")  # Keras 3 variables: jax arrays are immutable
         self.loops = _Loops()  # the loop hooks (ad.scan...): lax's loops, traced once
+        self.compile_step = self._compile_step if compile else None  # the whole train_step in one jit
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -251,6 +252,14 @@ class JaxAdapter(Adapter):
                 yield
             except _CONCRETE_ERRORS as err:
                 raise TracedControlFlowError(self._control_flow_message(err)) from err
+
+    def _compile_step(self, step: Callable, assigns_variables: bool) -> Callable | None:
+        if assigns_variables:
+            return None  # jax arrays are immutable: implicit mode's variables are assigned in Python
+        jitted, leaves = jax.jit(step), jax.tree_util.tree_leaves
+        plain, wide = self._direct(jitted, False), self._direct(jitted, True)
+        return lambda *args: (wide if any(getattr(a, "dtype", None) in _WIDE_SET for a in leaves(args)) else plain)(
+            *args)
 
     def _control_flow_message(self, err: Exception) -> str:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -413,6 +413,13 @@ class MLXAdapter(Adapter):
         #: call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
         self.variables = _Variables(self)
+        self.compile_step = self._compile_step if compile else None  # the whole train_step in one mx.compile
+
+    def _compile_step(self, step: Callable, assigns_variables: bool) -> Callable | None:
+        # arrays are values: implicit mode's variables are assigned in Python, op by op
+        compiled, native = mx.compile(step), lambda a: self.from_numpy(a) if isinstance(a, np.ndarray) else a
+        run = lambda m, s, n, b: self._call(compiled, m, s, native(n), [*map(native, b)])  # noqa: E731
+        return None if assigns_variables else run
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -617,15 +624,10 @@ class MLXAdapter(Adapter):
         if any(x.size == 0 for x in xs):  # a prepared operator is called with these shapes only
             return lambda xs, data: self._value_and_gradient_past_empty(fn, xs, data)
         compiled, traced = self._compiled(fn, "gradient", mx.value_and_grad)
-        device = self.mx_device
 
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
-            with mx.stream(device):
-                try:
-                    (y, aux), grads = compiled(xs, data)
-                except ValueError as err:
-                    raise self._library_error(err) from err
-                _evaluated(y, aux, grads, xs, data)
+            (y, aux), grads = self._call(compiled, xs, data)  # on the device's stream (evaluated lazily)
+            _evaluated(y, aux, grads, xs, data)
             return y, traced.aux(xs, data, aux), grads
 
         return run

@@ -337,6 +337,13 @@ class AdamW(Rule):
         return state, self.lr * (u + self.weight_decay * x)
 
 
+def _at_most_one(norm: Any, limit: float) -> Any:
+    """``limit / max(norm, limit)``, the clipping factor, with ``max(a, b) = (a + b + |a - b|) / 2``:
+    arithmetic only, so it stays an array of the norm's library (no synchronisation, and a
+    compiled step traces it); 1 where the norm is within the limit, a zero norm included."""
+    return (2 * limit) / (norm + limit + _ar().do("abs", norm - limit))
+
+
 @dataclass(frozen=True)
 class ClipNorm(Rule):
     """Rescale each gradient array to p-norm at most ``omega``: ``g *= min(omega/|g|_p, 1)``.
@@ -368,12 +375,9 @@ class ClipNorm(Rule):
     def apply(self, state: None, x: Any, g: Any) -> tuple[None, Any]:
         ar = _ar()
         a = ar.do("abs", g)
-        if math.isinf(self.p):
-            norm = float(ar.do("max", a))
-        else:
-            norm = float(ar.do("sum", a**self.p) ** (1.0 / self.p))
-        # norm > omega also guards the division: a zero gradient is left as it is.
-        return None, (g * (self.omega / norm) if norm > self.omega else g)
+        norm = ar.do("max", a) if math.isinf(self.p) else ar.do("sum", a**self.p) ** (1.0 / self.p)
+        # an array of g's library (no transfer to the host, and traceable by a compiled step)
+        return None, g * _at_most_one(norm, self.omega)
 
 
 @dataclass(frozen=True)
@@ -502,14 +506,11 @@ class ClipGlobalNorm(Rule):
         totals = _dtype_totals([g for g in gs if g is not None])
         if not totals:
             return states, gs
-        m = self.max_norm
         factors = {}
         for name in totals:
             # the squared norm in this dtype: the other dtypes' totals cast to it
             sq = sum((t if other == name else ar.astype(t, name)) for other, t in totals.items())
-            norm = ar.do("sqrt", sq)
-            # m / max(norm, m), with max(a, b) = (a + b + |a - b|) / 2: arithmetic only
-            factors[name] = (2 * m) / (norm + m + ar.do("abs", norm - m))
+            factors[name] = _at_most_one(ar.do("sqrt", sq), self.max_norm)
         return states, [None if g is None else g * factors[ar.get_dtype_name(g)] for g in gs]
 
 

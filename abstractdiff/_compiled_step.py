@@ -1,0 +1,444 @@
+"""A whole training step as one compiled call of the library (``ad.train_step`` on jax,
+tensorflow, and MLX with ``compile=True``).
+
+The op-by-op step compiles only the gradient; the optimiser's update then runs in Python,
+one library call per operation and leaf.  Here the backend's ``compile_step`` hook (an
+adapter's instance attribute: ``jax.jit``, ``tf.function``, ``mx.compile``) compiles the
+whole step: the gradient, the rule (clipping, scheduled hyperparameters), the new
+parameters and state, and the finite check's total.  The arithmetic is the rule's own
+(:func:`abstractdiff.optim._state._apply`, traced), so the values are today's; only one
+small array comes back to Python per step: the finite total (the ``NonFiniteError``
+check, made before anything is returned or assigned) and the state's Python-number
+leaves (Adam's step count), which stay Python ints in the returned ``OptState``.
+
+What the compiled step is keyed on (a step of another form traces again):
+
+* the loss function by identity, and what it reads from globals and closures
+  (:class:`abstractdiff._captures.CaptureWatch`, as every compiled trace);
+* the structures of the model, the state and the batch, and their leaves that are not
+  arrays, exactly (:func:`abstractdiff._cache.value_key`); the arrays' shapes and dtypes
+  are the library's own cache key;
+* the rule, field by field exactly, a schedule by its slot: its value at each step is
+  computed in Python (and checked, as the op-by-op step checks it) and goes in as a
+  traced input, so a schedule never costs a trace;
+* the frozen paths; in implicit mode, the variables by identity.
+
+A step compiles only where its form allows it: array leaves of one float dtype (the
+dtype the scheduled values and the state's step counts are traced in), no Python-float
+parameters, Python-int state leaves exactly representable in that dtype; in implicit
+mode, variables the library's compiled function can assign (``tf.Variable``, Keras 3
+variables on tensorflow).  Any other form, and any form whose trace fails (a custom rule
+that calls ``float()`` on an array), runs op by op, with the same values: the trace's
+failure is remembered for that form, and the op-by-op step raises whatever error the
+step itself has.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import optree
+
+from . import _pytree as pytree
+from . import optim
+from ._cache import LRU, WeakLRU, value_key
+from ._captures import CaptureWatch
+from ._tree import is_array
+from .optim._rules import Chain, Rule
+from .optim._state import _check_set_up_for, _weak
+
+__all__ = ["CompileFallbackWarning", "compiled_train_step"]
+
+
+class CompileFallbackWarning(UserWarning):
+    """A training step that could not be compiled as a whole runs op by op (same values, slower)."""
+
+
+#: compiled steps kept, least recently used out first (each holds a library executable)
+CACHE_SIZE = 16
+
+_DYNAMIC, _SCALAR, _STATIC = 0, 1, 2
+_FAILED = object()  # a form whose trace failed: op by op from then on
+#: the leaves that are not arrays a compiled step keys exactly (any other object: op by op)
+_PLAIN = (type(None), bool, int, str, bytes)
+
+
+# ----------------------------------------------------------------- the rule's form
+def _scheduled_slots(rule: Rule, path: tuple = ()) -> list[tuple[tuple, str]]:
+    """Where the rule tree has a schedule: ``(path of chain indices, field name)``."""
+    if isinstance(rule, Chain):
+        return [s for i, r in enumerate(rule.rules) for s in _scheduled_slots(r, (*path, i))]
+    return [(path, n) for n in rule.schedulable if callable(getattr(rule, n, None))]
+
+
+def _rule_key(rule: Rule, alive: list[Any]) -> Any:
+    """The rule exactly, field by field, with each schedule as a slot (its values are inputs)."""
+    if isinstance(rule, Chain):
+        return (Chain, tuple(_rule_key(r, alive) for r in rule.rules))
+    fields = dict(vars(rule)) if hasattr(rule, "__dict__") else {}
+    scheduled = {n for n in rule.schedulable if callable(fields.get(n))}
+    items = sorted(fields.items())
+    return (type(rule), tuple((n, "scheduled" if n in scheduled else value_key(v, alive)) for n, v in items))
+
+
+def _rule_at(rule: Rule, slots: list[tuple[tuple, str]], values: list[Any]) -> Rule:
+    """``rule`` (already ``.at(step)``: schedules as numbers) with the scheduled fields set
+    to ``values`` (traced).  The numbers were checked by ``.at``; a traced value cannot be
+    checked again, so the fields are set as the constructor would have stored them."""
+    if not slots:
+        return rule
+
+    def replaced(r: Rule, path: tuple) -> Rule:
+        if isinstance(r, Chain):
+            return Chain(tuple(replaced(sub, (*path, i)) for i, sub in enumerate(r.rules)))
+        mine = [(n, v) for (p, n), v in zip(slots, values) if p == path]
+        if not mine:
+            return r
+        new = copy.copy(r)
+        for n, v in mine:
+            object.__setattr__(new, n, v)
+        return new
+
+    return replaced(rule, ())
+
+
+def _scheduled_values(rule_at: Rule, slots: list[tuple[tuple, str]]) -> list[float]:
+    def find(r: Rule, path: tuple) -> Rule:
+        for i in path:
+            r = r.rules[i]  # type: ignore[attr-defined]
+        return r
+
+    return [getattr(find(rule_at, p), n) for p, n in slots]
+
+
+# ----------------------------------------------------------------- leaves
+def _classify(leaves: list[Any], native: Callable[[Any], bool], scalars: bool) -> list[int] | None:
+    """Each leaf's kind: a native array (traced), a Python int (``scalars``: traced as a
+    0-d array of the step's dtype), None, a bool, an int or a string (static, in the key).
+    None where a leaf cannot go into a compiled step (a Python float parameter, a numpy or
+    foreign array, a variable: the op-by-op step converts or refuses it)."""
+    kinds = []
+    for a in leaves:
+        kind = type(a)
+        if kind is int and scalars:
+            kinds.append(_SCALAR)
+        elif kind in _PLAIN:
+            kinds.append(_STATIC)
+        elif is_array(a) and native(a):
+            kinds.append(_DYNAMIC)
+        else:  # a Python float parameter, a foreign array, a variable, any other object
+            return None
+    return kinds
+
+
+def _fill(leaves: list[Any], kinds: list[int], dynamic: list[Any], scalars: list[Any]) -> list[Any]:
+    """The leaves with their traced values in place."""
+    d, s = iter(dynamic), iter(scalars)
+    return [next(d) if k == _DYNAMIC else next(s) if k == _SCALAR else a for a, k in zip(leaves, kinds)]
+
+
+def _float_dtype(arrays: list[Any]) -> str | None:
+    import autoray as ar
+
+    names = {ar.get_dtype_name(a) for a in arrays}
+    floats = {n for n in names if n.startswith(("float", "bfloat"))}
+    return floats.pop() if len(floats) == 1 else None
+
+
+#: the dtypes a step compiles in, with the integers each represents exactly
+_EXACT_BELOW = {"float64": 2**53, "float32": 2**24}
+
+
+class _Step(NamedTuple):
+    run: Any  # the library's compiled step, or _FAILED
+    watch: CaptureWatch
+    alive: list  # the objects the key names by identity, held while the entry lives
+
+
+class _Plan:
+    """One form of step, recognised on the next calls by a few identity and structure tests
+    (the hot path): the rule and frozen paths by identity (both are immutable), the
+    structures, each leaf's type, the static leaves' values and the arrays' dtypes.  A
+    miss builds the plan again from the exact key (:func:`_plan`), which finds the compiled
+    step of an equal form (a new but equal rule) in :data:`STEPS`."""
+
+    __slots__ = ("rule", "frozen", "defs", "types", "static_at", "static_values", "dtype_at", "dtypes",
+                 "m_kinds", "s_kinds", "scalar_at", "slots", "dtype", "key", "step", "params", "m_dynamic",
+                 "s_dynamic", "b_dynamic")
+
+    def matches(self, state: optim.OptState, defs: tuple, leaves: list, params: list) -> bool:
+        return (
+            state.rule is self.rule and state.frozen is self.frozen and defs == self.defs
+            and tuple(map(type, leaves)) == self.types
+            and [leaves[i] for i in self.static_at] == self.static_values
+            and [leaves[i].dtype for i in self.dtype_at] == self.dtypes
+            and len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
+        )
+
+
+class _Steps:
+    """The compiled steps by their exact key (an LRU of :data:`CACHE_SIZE`), and the plans
+    that reach them, per loss function (held weakly) and backend."""
+
+    def __init__(self) -> None:
+        self._entries: LRU[Any, _Step] = LRU(CACHE_SIZE)
+        self._plans: WeakLRU[list] = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
+        self._last: tuple = (None, None, None, None, None)  # the last plans looked up (a loop's step)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries = LRU(CACHE_SIZE)
+        self._plans = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
+        self._last = (None, None, None, None, None)
+
+    def get(self, key: Any, loss_fn: Callable[..., Any]) -> _Step | None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.run is not _FAILED and not entry.watch.unchanged(loss_fn):
+            return None  # a value the loss reads changed: trace again
+        return entry
+
+    def put(self, key: Any, entry: _Step) -> None:
+        self._entries.put(key, entry)
+
+    def plans(self, loss_fn: Callable[..., Any], model: Any, lib: Any, implicit: bool) -> list:
+        """The plans of this loss (and model, in implicit mode) on this backend, most recent first."""
+        last_loss, last_model, last_lib, last_implicit, plans = self._last  # held weakly
+        if (last_loss is not None and last_loss() is loss_fn and last_lib is lib and last_implicit is implicit
+                and (not implicit or last_model() is model)):
+            return plans
+        plans = self._plans.get_or_put((loss_fn, model) if implicit else (loss_fn,), list, (lib, implicit))
+        try:
+            self._last = (weakref.ref(loss_fn), weakref.ref(model) if implicit else None, lib, implicit, plans)
+        except TypeError:  # not weakly referenceable: looked up each time
+            self._last = (None, None, None, None, None)
+        return plans
+
+
+STEPS = _Steps()
+_PLANS_KEPT = 4  # forms per loss function and backend (a last, smaller batch is a second form)
+_flatten_known = optree.tree_flatten
+
+
+def _compiler(b: Any) -> Callable[..., Any] | None:
+    return getattr(b, "compile_step", None)
+
+
+def compiled_train_step(
+    b: Any, loss_fn: Callable[..., Any], model: Any, batch: tuple, state: optim.OptState,
+    non_finite: Callable[[], Exception], bound: Callable[..., Any] | None = None,
+) -> tuple[optim.OptState, Any, Any] | None:
+    """The step ``ad.train_step`` takes, as one compiled call: ``(state, model, loss)``, or
+    None where this backend or this step's form does not compile (the caller then takes
+    the op-by-op step).  ``non_finite()`` is the error raised when the loss, a gradient or
+    a new value is not finite (nothing is returned or assigned).  Implicit mode: ``b`` is
+    the ``ad.Implicit`` backend, ``bound`` the loss bound to the model."""
+    implicit = bound is not None
+    lib = b.inner if implicit else b
+    compile_step = _compiler(lib)
+    if compile_step is None:
+        return None
+    flatten = _flatten_known  # the hot path's: a container type not yet discovered misses the plan
+    if implicit:
+        params = list(optim.params_of(model))
+        m_leaves, m_def = [], None
+    else:
+        params = []
+        m_leaves, m_def = flatten(model, none_is_leaf=True, namespace=pytree.NAMESPACE)
+    s_leaves, s_def = flatten(state.tree, none_is_leaf=True, namespace=pytree.NAMESPACE)
+    b_leaves, b_def = flatten(batch, none_is_leaf=True, namespace=pytree.NAMESPACE)
+    defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
+    plans = STEPS.plans(loss_fn, model, lib, implicit)
+    plan = next((p for p in plans if p.matches(state, defs, leaves, params)), None)
+    if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
+        if plan is not None:  # a value the loss reads changed: plan (and trace) again
+            plans.remove(plan)
+        m_leaves, m_def = pytree.tree_flatten(model, none_is_leaf=True) if not implicit else ([], None)
+        s_leaves, s_def = pytree.tree_flatten(state.tree, none_is_leaf=True)
+        b_leaves, b_def = pytree.tree_flatten(batch, none_is_leaf=True)
+        defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
+        plan = _plan(b, lib, compile_step, loss_fn, bound, model, params, state, defs, leaves, len(m_leaves),
+                     len(s_leaves))
+        if plan is None:
+            return None
+        plans.insert(0, plan)
+        del plans[_PLANS_KEPT:]
+    elif plans[0] is not plan:
+        plans.remove(plan)
+        plans.insert(0, plan)
+    if plan.step.run is _FAILED:
+        return None
+    import numpy as np
+
+    ints = [s_leaves[i] for i in plan.scalar_at]
+    if ints and max(map(abs, ints)) >= _EXACT_BELOW[plan.dtype]:
+        return None
+    # every number in one numpy array (the hook's library moves it, as part of the call)
+    if plan.slots:
+        hyper = _scheduled_values(state.rule.at(state.step), plan.slots)  # checked, as op by op
+        numbers = np.asarray([*hyper, *ints], dtype=plan.dtype)
+    else:
+        numbers = np.asarray(ints, dtype=plan.dtype)
+    m_kinds, s_kinds = plan.m_kinds, plan.s_kinds
+    try:
+        loss, report, new_m, new_s = plan.step.run(
+            [m_leaves[i] for i in plan.m_dynamic], [s_leaves[i] for i in plan.s_dynamic], numbers,
+            [b_leaves[i] for i in plan.b_dynamic],
+        )
+    except Exception as err:  # noqa: BLE001 - a form the library cannot trace: op by op from now on
+        failed = plan.step._replace(run=_FAILED)
+        STEPS.put(plan.key, failed)
+        plan.step = failed
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        warnings.warn(
+            f"ad.train_step runs this step op by op on {lib!r}: compiling the whole step failed "
+            f"({type(err).__name__}: {first}). The values are the same, the step is slower; a loss or "
+            f"rule that needs a concrete number (float() or an `if` on an array) cannot be compiled",
+            CompileFallbackWarning, stacklevel=3,
+        )
+        return None
+    report = lib.to_numpy(report)  # the one synchronisation
+    if not report[0] == 0:
+        raise non_finite()
+    counts = report[1:].round().astype(int).tolist()
+    new_tree = pytree.tree_unflatten(s_def, _fill(s_leaves, s_kinds, new_s, counts))
+    new_state = state._replace(step=state.step + 1, tree=new_tree, implicit=implicit)
+    if implicit:
+        return new_state, model, loss
+    return new_state, pytree.tree_unflatten(m_def, _fill(m_leaves, m_kinds, new_m, [])), loss
+
+
+def _plan(b: Any, lib: Any, compile_step: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
+          params: list, state: optim.OptState, defs: tuple, leaves: list, n_m: int, n_s: int) -> _Plan | None:
+    """The plan of this form, with its compiled step (traced at its first call), or None
+    where the form does not compile (see the module docstring)."""
+    implicit = bound is not None
+    m_leaves, s_leaves, b_leaves = leaves[:n_m], leaves[n_m:n_m + n_s], leaves[n_m + n_s:]
+    if implicit:
+        # only the library's own variables: the compiled step assigns them (an ad.Variable
+        # box would be given a traced value)
+        if not params or not all(lib.is_variable(v) for v in params) or len(params) != len(state.tree):
+            return None  # (a wrong number of variables: the op-by-op step says what is wrong)
+        _check_set_up_for(state, params)
+        m_kinds: list[int] | None = []
+        floats = [optim.read(v) for v in params]
+    else:
+        m_kinds = _classify(m_leaves, lib.is_native, scalars=False)
+        floats = [a for a, k in zip(m_leaves, m_kinds or ()) if k == _DYNAMIC]
+    s_kinds = _classify(s_leaves, lib.is_native, scalars=True)
+    b_kinds = _classify(b_leaves, lambda a: True, scalars=False)
+    if m_kinds is None or s_kinds is None or b_kinds is None:
+        return None
+    dtype = _float_dtype(floats)
+    if dtype not in _EXACT_BELOW:
+        return None
+    kinds = [*m_kinds, *s_kinds, *b_kinds]
+    slots = _scheduled_slots(state.rule)
+    alive: list[Any] = []
+    m_def, s_def, b_def = defs
+    key = (
+        lib, id(loss_fn), implicit, dtype, defs, tuple(kinds),
+        tuple(value_key(a, alive) for a, k in zip(leaves, kinds) if k == _STATIC),
+        _rule_key(state.rule, alive), state.frozen.paths, tuple(map(id, params)),
+    )
+    step = STEPS.get(key, loss_fn)
+    if step is None:
+        body = _body(b, loss_fn, bound, model if implicit else None, m_leaves, m_def, m_kinds, s_leaves, s_def,
+                     s_kinds, b_leaves, b_def, b_kinds, state, state.rule.at(state.step), slots, dtype)
+        run = compile_step(body, implicit)
+        if run is None:
+            return None
+        step = _Step(run, CaptureWatch(loss_fn), [loss_fn, state.rule, *alive, *params])
+        STEPS.put(key, step)
+    plan = _Plan()
+    plan.rule, plan.frozen, plan.defs, plan.key, plan.step = state.rule, state.frozen, defs, key, step
+    plan.types = tuple(map(type, leaves))
+    plan.static_at = [i for i, k in enumerate(kinds) if k == _STATIC]
+    plan.static_values = [leaves[i] for i in plan.static_at]
+    # the model's arrays' dtypes (the step's dtype comes from them; the state's follow them,
+    # the batch's are the library's own cache key)
+    plan.dtype_at = [i for i, k in enumerate(m_kinds) if k == _DYNAMIC]
+    plan.dtypes = [leaves[i].dtype for i in plan.dtype_at]
+    plan.m_kinds, plan.s_kinds, plan.slots, plan.dtype = m_kinds, s_kinds, slots, dtype
+    plan.scalar_at = [i for i, k in enumerate(s_kinds) if k == _SCALAR]
+    plan.params = params
+    plan.m_dynamic, plan.s_dynamic, plan.b_dynamic = (
+        [i for i, k in enumerate(part) if k == _DYNAMIC] for part in (m_kinds, s_kinds, b_kinds))
+    return plan
+
+
+def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves: list, m_def: Any, m_kinds: list,
+          s_leaves: list, s_def: Any, s_kinds: list, b_leaves: list, b_def: Any, b_kinds: list,
+          state: optim.OptState, rule_at: Rule, slots: list, dtype: str) -> Callable[..., tuple]:
+    """The step as a function of its traced inputs: ``(model arrays, state arrays, numbers,
+    batch arrays) -> (loss, report, new model arrays, new state arrays)``, ``numbers`` being
+    the scheduled values then the Python-int state leaves, in one array of the step's
+    dtype; ``report`` is the finite total followed by the new Python-int state leaves."""
+    import autoray as ar
+
+    loss_ref = _weak(loss_fn)
+    bound_ref = _weak(bound) if bound is not None else None
+    model_ref = _weak(model) if model is not None else None
+    n_hyper, n_numbers = len(slots), len(slots) + s_kinds.count(_SCALAR)
+    shell = state._replace(tree=None, implicit=False)
+
+    def body(m_arrays: list, s_arrays: list, vector: Any, b_arrays: list) -> tuple:
+        numbers = [vector[i] for i in range(n_numbers)]
+        rule = _rule_at(rule_at, slots, numbers[:n_hyper])
+        tree = pytree.tree_unflatten(s_def, _fill(s_leaves, s_kinds, list(s_arrays), numbers[n_hyper:]))
+        batch = pytree.tree_unflatten(b_def, _fill(b_leaves, b_kinds, list(b_arrays), []))
+        if bound_ref is not None:
+            ps = optim.params_of(model_ref())
+            params = list(ps)
+            olds = [optim.read(v) for v in params]
+            loss, grads = b.value_and_gradient(bound_ref(), ps, *batch)
+            grad_leaves = [grads[p] for p in params]
+            # the variables' values as an explicit list model: the same rule arithmetic, and
+            # the same frozen paths ((i,) for the i-th variable)
+            new_st, news = optim._apply(shell._replace(rule=rule, tree=tree), olds, grad_leaves)
+        else:
+            olds = _fill(m_leaves, m_kinds, list(m_arrays), [])
+            model = pytree.tree_unflatten(m_def, olds)
+            loss, grads = b.value_and_gradient(loss_ref(), model, *batch)
+            grad_leaves = m_def.flatten_up_to(grads)
+            new_st, new_model = optim._apply(shell._replace(rule=rule, tree=tree), model, grads)
+            news = pytree.tree_flatten(new_model, none_is_leaf=True)[0]
+        total = _finite_total(loss, grad_leaves, olds, news, dtype)
+        new_s = pytree.tree_flatten(new_st.tree, none_is_leaf=True)[0]
+        report = [total, *(ar.astype(v, dtype) for v, k in zip(new_s, s_kinds) if k == _SCALAR)]
+        new_s_arrays = [v for v, k in zip(new_s, s_kinds) if k == _DYNAMIC]
+        if bound_ref is not None:
+            finite = total == 0
+            for v, new, was in zip(params, news, olds):
+                if new is not was:
+                    optim.write(v, ar.do("where", finite, new, was))  # nothing applied unless finite
+            return loss, ar.do("stack", report), [], new_s_arrays
+        return loss, ar.do("stack", report), [v for v, k in zip(news, m_kinds) if k == _DYNAMIC], new_s_arrays
+
+    return body
+
+
+def _finite_total(loss: Any, grads: list, olds: list, news: list, dtype: str) -> Any:
+    """The check :func:`abstractdiff._train._all_finite` makes, as one traced number: 0 where
+    the loss, every gradient and every new value is finite, NaN elsewhere.  A leaf's
+    gradient and new value share one reduction (``sum(g*0 + x*0)``): small reductions are
+    what a compiled step spends its time on, not arithmetic."""
+    import autoray as ar
+
+    parts = [loss * 0]
+    for g, old, new in zip(grads, olds, news):
+        changed = new is not old
+        paired = g is not None and changed and ar.shape(g) == ar.shape(new)
+        if paired and ar.get_dtype_name(g) == ar.get_dtype_name(new):
+            parts.append(ar.do("sum", g * 0 + new * 0))
+            continue
+        parts += [ar.do("sum", a * 0) for a in ((g,) if g is not None else ()) + ((new,) if changed else ())]
+    total = None
+    for t in parts:
+        t = ar.astype(t, dtype)
+        total = t if total is None else total + t
+    return total
