@@ -46,7 +46,7 @@ from . import _pytree as pytree
 from . import optim
 from ._cache import LRU, WeakLRU, value_key
 from ._captures import CaptureWatch
-from ._tree import is_array
+from ._tree import _function_identity, _weak_callable, is_array
 from .optim._rules import Chain, Rule
 from .optim._state import _check_set_up_for, _weak
 
@@ -156,6 +156,7 @@ class _Step(NamedTuple):
     run: Any  # the library's compiled step, or _FAILED
     watch: CaptureWatch
     alive: list  # the objects the key names by identity, held while the entry lives
+    refs: list  # weak references to the loss and the variables, which the key names by id
 
 
 class _Plan:
@@ -186,7 +187,7 @@ class _Steps:
     def __init__(self) -> None:
         self._entries: LRU[Any, _Step] = LRU(CACHE_SIZE)
         self._plans: WeakLRU[list] = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
-        self._last: tuple = (None, None, None, None, None)  # the last plans looked up (a loop's step)
+        self._last: tuple = ((), None, None, None)  # the last plans looked up (a loop's step)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -194,7 +195,7 @@ class _Steps:
     def clear(self) -> None:
         self._entries = LRU(CACHE_SIZE)
         self._plans = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
-        self._last = (None, None, None, None, None)
+        self._last = ((), None, None, None)
 
     def get(self, key: Any, loss_fn: Callable[..., Any]) -> _Step | None:
         entry = self._entries.get(key)
@@ -205,17 +206,31 @@ class _Steps:
     def put(self, key: Any, entry: _Step) -> None:
         self._entries.put(key, entry)
 
+    def weak(self, key: Any, objects: list) -> list:
+        """Weak references to the objects ``key`` names by ``id``: the entry goes when one dies
+        (its id may then be reused), and holding them would keep a model alive."""
+        entries = self._entries
+        drop = lambda _ref: entries.pop(key, None)  # noqa: E731
+        refs = []
+        for o in objects:
+            try:
+                refs.append(weakref.ref(o, drop))
+            except TypeError:  # held strongly: its id cannot be reused while the entry holds it
+                refs.append(o)
+        return refs
+
     def plans(self, loss_fn: Callable[..., Any], model: Any, lib: Any, implicit: bool) -> list:
         """The plans of this loss (and model, in implicit mode) on this backend, most recent first."""
-        last_loss, last_model, last_lib, last_implicit, plans = self._last  # held weakly
-        if (last_loss is not None and last_loss() is loss_fn and last_lib is lib and last_implicit is implicit
-                and (not implicit or last_model() is model)):
+        objects = (*_function_identity(loss_fn), *((model,) if implicit else ()))
+        last_refs, last_lib, last_implicit, plans = self._last  # held weakly
+        if (last_lib is lib and last_implicit is implicit and len(last_refs) == len(objects)
+                and all(r() is o for r, o in zip(last_refs, objects))):
             return plans
-        plans = self._plans.get_or_put((loss_fn, model) if implicit else (loss_fn,), list, (lib, implicit))
+        plans = self._plans.get_or_put(objects, list, (lib, implicit))
         try:
-            self._last = (weakref.ref(loss_fn), weakref.ref(model) if implicit else None, lib, implicit, plans)
+            self._last = ([weakref.ref(o) for o in objects], lib, implicit, plans)
         except TypeError:  # not weakly referenceable: looked up each time
-            self._last = (None, None, None, None, None)
+            self._last = ((), None, None, None)
         return plans
 
 
@@ -340,19 +355,21 @@ def _plan(b: Any, lib: Any, compile_step: Callable, loss_fn: Callable[..., Any],
     slots = _scheduled_slots(state.rule)
     alive: list[Any] = []
     m_def, s_def, b_def = defs
+    identity = _function_identity(loss_fn)  # a bound method: its function and object (new per access)
     key = (
-        lib, id(loss_fn), implicit, dtype, defs, tuple(kinds),
+        lib, tuple(map(id, identity)), implicit, dtype, defs, tuple(kinds),
         tuple(value_key(a, alive) for a, k in zip(leaves, kinds) if k == _STATIC),
         _rule_key(state.rule, alive), state.frozen.paths, tuple(map(id, params)),
     )
     step = STEPS.get(key, loss_fn)
-    if step is None:
+    if step is None or not all((r() if isinstance(r, weakref.ref) else r) is o
+                               for r, o in zip(step.refs, [*identity, *params])):
         body = _body(b, loss_fn, bound, model if implicit else None, m_leaves, m_def, m_kinds, s_leaves, s_def,
                      s_kinds, b_leaves, b_def, b_kinds, state, state.rule.at(state.step), slots, dtype)
         run = compile_step(body, implicit)
         if run is None:
             return None
-        step = _Step(run, CaptureWatch(loss_fn), [loss_fn, state.rule, *alive, *params])
+        step = _Step(run, CaptureWatch(loss_fn), [state.rule, *alive], STEPS.weak(key, [*identity, *params]))
         STEPS.put(key, step)
     plan = _Plan()
     plan.rule, plan.frozen, plan.defs, plan.key, plan.step = state.rule, state.frozen, defs, key, step
@@ -380,7 +397,7 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
     dtype; ``report`` is the finite total followed by the new Python-int state leaves."""
     import autoray as ar
 
-    loss_ref = _weak(loss_fn)
+    loss_ref = _weak_callable(loss_fn)
     bound_ref = _weak(bound) if bound is not None else None
     model_ref = _weak(model) if model is not None else None
     n_hyper, n_numbers = len(slots), len(slots) + s_kinds.count(_SCALAR)

@@ -1,0 +1,352 @@
+"""The whole training step as one compiled call (abstractdiff._compiled_step): the same values
+as the op-by-op step, one trace per form, exact keys, and every error path of the step."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import autoray
+import numpy as np
+import pytest
+
+import abstractdiff as ad
+import abstractdiff._compiled_step as cs
+from abstractdiff import optim
+from tests.test_train import need
+
+#: the backends whose train_step compiles as a whole (MLX only with compile=True)
+COMPILING = [("jax", {}), ("tensorflow", {}), ("mlx", {"compile": True})]
+IDS = [name for name, _ in COMPILING]
+
+
+def backend(name: str, options: dict):
+    need(name)
+    return ad.backend(name, **options)
+
+
+@pytest.fixture
+def op_by_op(monkeypatch):
+    """A context that turns the whole-step compilation off (the reference path)."""
+
+    class Switch:
+        def __enter__(self):
+            monkeypatch.setattr(cs, "_compiler", lambda b: None)
+
+        def __exit__(self, *exc):
+            monkeypatch.undo()
+
+    return Switch()
+
+
+def _convert(b, tree, dtype):
+    from abstractdiff import _pytree
+
+    return _pytree.tree_map(lambda a: b.convert(np.asarray(a, dtype=dtype)), tree)
+
+
+def data(b, dtype: str):
+    rng = np.random.default_rng(1)
+    return b.convert(rng.standard_normal((16, 3)).astype(dtype)), b.convert(rng.standard_normal((16, 1)).astype(dtype))
+
+
+def loss(m, x, y):
+    h = autoray.do("tanh", x @ m["layer"]["w"] + m["layer"]["b"])
+    return autoray.do("mean", (h @ m["out"][0] + m["out"][1] - y) ** 2)
+
+
+RULES = {
+    "adam": lambda: optim.Adam(1e-2),
+    "adam-schedule": lambda: optim.Adam(optim.schedules.piecewise(1e-2, {2: 0.5, 4: 0.5})),
+    "clip-chain": lambda: optim.chain(optim.ClipGlobalNorm(0.5), optim.ClipNorm(0.3),
+                                      optim.AdamW(1e-2, weight_decay=0.1)),
+    "momentum": lambda: optim.Momentum(1e-2, 0.9),
+}
+
+
+def run_steps(b, rule, dtype, n=6):
+    model = _convert(b, _numpy_mlp(), dtype)
+    x, y = data(b, dtype)
+    state = optim.setup(rule, model)
+    losses = []
+    for _ in range(n):
+        state, model, value = ad.train_step(loss, model, (x, y), state, backend=b)
+        losses.append(float(ad.to_numpy(value)))
+    return state, model, losses
+
+
+def _numpy_mlp():
+    rng = np.random.default_rng(0)
+    return {"layer": {"w": rng.standard_normal((3, 5)) * 0.5, "b": np.zeros(5)},
+            "out": [rng.standard_normal((5, 1)), np.zeros(1)]}
+
+
+def leaves(tree):
+    from abstractdiff import _pytree
+    from abstractdiff._tree import is_array
+
+    return [np.asarray(ad.to_numpy(a)) if is_array(a) else a for a in _pytree.tree_leaves(tree, none_is_leaf=True)]
+
+
+def compiled_entries():
+    return [e for e in cs.STEPS._entries._entries.values() if e.run is not cs._FAILED]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("name,options", COMPILING, ids=IDS)
+def test_a_compiled_step_gives_the_op_by_op_values(name, options, rule, dtype, op_by_op):
+    b = backend(name, options)
+    if dtype == "float64" and name == "mlx":
+        pytest.skip("MLX has no float64 on its compiled path")
+    cs.STEPS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ad.CompileFallbackWarning)  # it did compile
+        state, model, losses = run_steps(b, RULES[rule](), dtype)
+    assert compiled_entries(), "the step did not compile"
+    with op_by_op:
+        want_state, want_model, want_losses = run_steps(b, RULES[rule](), dtype)
+    tol = 1e-12 if dtype == "float64" else 3e-5  # float32: the rule's scalars are traced in float32
+    np.testing.assert_allclose(losses, want_losses, rtol=tol, atol=tol)
+    for got, want in zip(leaves(model), leaves(want_model)):
+        assert got.dtype == want.dtype == np.dtype(dtype)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert state.step == want_state.step == 6
+    for got, want in zip(leaves(state.tree), leaves(want_state.tree)):
+        if isinstance(want, int):  # the documented OptState: Python ints stay Python ints
+            assert type(got) is int and got == want
+        elif want is None:
+            assert got is None
+        else:
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name,options", COMPILING, ids=IDS)
+def test_the_step_is_traced_once_and_a_schedule_never_retraces(name, options):
+    b = backend(name, options)
+    cs.STEPS.clear()
+    run_steps(b, RULES["adam-schedule"](), "float32", n=2)
+    traces = b.trace_count
+    run_steps(b, RULES["adam-schedule"](), "float32", n=8)  # new arrays, same form, scheduled lr changing
+    assert b.trace_count == traces
+    assert len(compiled_entries()) == 1
+
+
+def test_a_changed_global_the_loss_reads_is_seen():
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    global SCALE
+    SCALE = 1.0
+
+    def scaled(m, x, y):
+        return SCALE * loss(m, x, y)
+
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(optim.Descent(0.1), model)
+    _, _, first = ad.train_step(scaled, model, (x, y), state, backend=b)
+    SCALE = 3.0
+    _, new_model, second = ad.train_step(scaled, model, (x, y), state, backend=b)
+    np.testing.assert_allclose(float(second), 3.0 * float(first), rtol=1e-12)
+    with cs_off():
+        _, want, _ = ad.train_step(scaled, model, (x, y), state, backend=b)
+    for got, w in zip(leaves(new_model), leaves(want)):
+        np.testing.assert_allclose(got, w, rtol=1e-12)
+
+
+class cs_off:
+    def __enter__(self):
+        self.saved, cs._compiler = cs._compiler, lambda b: None
+
+    def __exit__(self, *exc):
+        cs._compiler = self.saved
+
+
+def test_an_adjusted_hyperparameter_is_not_a_stale_constant():
+    b = backend("jax", {})
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(optim.Descent(0.1), model)
+    _, a, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    _, c, _ = ad.train_step(loss, model, (x, y), optim.adjust(state, lr=0.2), backend=b)
+    start, one, two = leaves(model), leaves(a), leaves(c)
+    for s, p, q in zip(start, one, two):
+        np.testing.assert_allclose(q - s, 2 * (p - s), rtol=1e-10, atol=1e-14)
+    # -0.0 and 0.0 are different keys (value_key): neither finds the other's step
+    assert cs._rule_key(optim.Descent(0.0), []) != cs._rule_key(optim.Descent(-0.0), [])
+
+
+def test_frozen_paths_are_part_of_the_form():
+    b = backend("jax", {})
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(optim.Adam(1e-2), model)
+    _, free, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    _, frozen, _ = ad.train_step(loss, model, (x, y), optim.freeze(state, ("layer",)), backend=b)
+    np.testing.assert_array_equal(ad.to_numpy(frozen["layer"]["w"]), ad.to_numpy(model["layer"]["w"]))
+    assert not np.array_equal(ad.to_numpy(free["layer"]["w"]), ad.to_numpy(model["layer"]["w"]))
+    np.testing.assert_allclose(ad.to_numpy(frozen["out"][0]), ad.to_numpy(free["out"][0]), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name,options", COMPILING, ids=IDS)
+def test_a_non_finite_step_raises_and_applies_nothing(name, options):
+    b = backend(name, options)
+    model, (x, y) = _convert(b, _numpy_mlp(), "float32"), data(b, "float32")
+    state = optim.setup(optim.Adam(1e-2), model)
+    state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)  # compiled, finite
+    bad = b.convert(np.full((16, 1), np.inf, dtype="float32"))
+    with pytest.raises(ad.NonFiniteError, match="step 2") as info:
+        ad.train_step(loss, model, (x, bad), state, backend=b)
+    assert info.value.state is state and info.value.model is model and info.value.step == 2
+    assert compiled_entries()
+
+
+def test_a_rule_that_needs_a_concrete_number_runs_op_by_op_with_a_warning():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class SignIfLarge(optim.Rule):
+        lr: float = 0.1
+
+        def apply(self, state, x, g):
+            big = float(ad.to_numpy(autoray.do("max", autoray.do("abs", g)))) > 1.0  # needs the value
+            return None, self.lr * (g / 2 if big else g)
+
+    b = backend("jax", {})
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(SignIfLarge(), model)
+    with pytest.warns(ad.CompileFallbackWarning, match="op by op"):
+        got_state, got, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ad.CompileFallbackWarning)  # once per form, not per step
+        ad.train_step(loss, model, (x, y), state, backend=b)
+    with cs_off():
+        _, want, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    for g, w in zip(leaves(got), leaves(want)):
+        np.testing.assert_array_equal(g, w)
+    assert got_state.step == 1
+
+
+def test_forms_that_do_not_compile_take_the_op_by_op_step_silently():
+    b = backend("jax", {})
+    x, y = data(b, "float64")
+    mixed = _convert(b, _numpy_mlp(), "float64")
+    mixed["out"][1] = b.convert(np.zeros(1, dtype="float32"))  # two float dtypes: no one step dtype
+    numpy_model = _numpy_mlp()  # numpy leaves: converted by the op-by-op step first
+    for model in (mixed, numpy_model):
+        state = optim.setup(optim.Adam(1e-2), model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ad.CompileFallbackWarning)
+            state, new, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+        assert state.step == 1
+    # the numpy model's second step (converted now) compiles
+    cs.STEPS.clear()
+    ad.train_step(loss, new, (x, y), state, backend=b)
+    assert compiled_entries()
+
+
+def test_a_checkpoint_of_compiled_steps_resumes_to_the_same_values(tmp_path):
+    b = backend("jax", {})
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(optim.Adam(optim.schedules.piecewise(1e-2, {2: 0.5, 4: 0.5})), model)
+    for _ in range(3):
+        state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    ad.save_checkpoint(tmp_path / "ck.npz", state, model)
+    straight_state, straight = state, model
+    for _ in range(3):
+        straight_state, straight, _ = ad.train_step(loss, straight, (x, y), straight_state, backend=b)
+    state, model = ad.load_checkpoint(tmp_path / "ck.npz", like=(state, model))
+    for _ in range(3):
+        state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    for got, want in zip(leaves(model), leaves(straight)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert state.step == straight_state.step == 6
+
+
+def test_train_takes_the_compiled_step():
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    result = ad.train(loss, model, [(x, y)] * 4, optim.setup(optim.Adam(1e-2), model), backend=b, epochs=2)
+    assert result.state.step == 8 and compiled_entries()
+    with cs_off():
+        want = ad.train(loss, model, [(x, y)] * 4, optim.setup(optim.Adam(1e-2), model), backend=b, epochs=2)
+    for got, w in zip(leaves(result.model), leaves(want.model)):
+        np.testing.assert_allclose(got, w, rtol=1e-12)
+
+
+def test_a_bound_method_loss_reuses_its_compiled_step():
+    class Task:
+        def loss(self, m, x, y):
+            return loss(m, x, y)
+
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    task = Task()
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(optim.Descent(0.1), model)
+    for _ in range(3):
+        state, model, _ = ad.train_step(task.loss, model, (x, y), state, backend=b)  # a new method object each time
+    traces = b.trace_count
+    ad.train_step(task.loss, model, (x, y), state, backend=b)
+    assert b.trace_count == traces and len(compiled_entries()) == 1
+
+
+def test_a_dead_loss_function_leaves_no_compiled_step():
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+
+    def own_loss(m, x, y):
+        return loss(m, x, y)
+
+    ref = weakref.ref(own_loss)
+    ad.train_step(own_loss, model, (x, y), optim.setup(optim.Descent(0.1), model), backend=b)
+    del own_loss
+    gc.collect()
+    assert ref() is None, "the compiled step keeps the loss function alive"
+
+
+# ------------------------------------------------------------------ implicit Keras on tensorflow
+@pytest.fixture
+def keras_tf():
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip(f"Keras runs on {keras.backend.backend()} here (tests/test_keras.py covers each Keras backend)")
+    return tf, keras
+
+
+def test_an_implicit_keras_step_compiles_as_one_tf_function(keras_tf, op_by_op):
+    tf, keras = keras_tf
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 4)).astype("float32"), rng.standard_normal((32, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+
+    def mse(model, x, y):
+        return keras.ops.mean((model(x) - y) ** 2)
+
+    def fit(n=5):
+        model = make()
+        state = optim.setup(optim.chain(optim.ClipNorm(1.0), optim.Adam(1e-2)), model)
+        for _ in range(n):
+            state, model, _ = ad.train_step(mse, model, (x, y), state, backend=ad.Implicit("tensorflow"))
+        return state, model
+
+    cs.STEPS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ad.CompileFallbackWarning)
+        state, model = fit()
+    assert compiled_entries()
+    with op_by_op:
+        want_state, want = fit()
+    for v, w in zip(model.trainable_variables, want.trainable_variables):
+        np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=3e-5, atol=3e-5)
+    assert state.step == want_state.step == 5 and state.implicit
+    # a non-finite batch: nothing assigned (the graph selects the old values), the error raised
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with pytest.raises(ad.NonFiniteError):
+        ad.train_step(mse, model, (x, np.full_like(y, np.nan)), state, backend=ad.Implicit("tensorflow"))
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
