@@ -410,7 +410,7 @@ class AdapterBackend(Backend):
         for hook in _ADAPTER_HOOKS:
             setattr(self, hook, getattr(adapter, hook))
         self.loops = getattr(adapter, "loops", None)  # the loop hooks object (ad.scan...), set by the adapter
-        self.compile_step = getattr(adapter, "compile_step", None)  # the whole-train_step compile hook
+        self.compiler = getattr(adapter, "compiler", None)  # compiles a function of arrays (whole train steps)
         if adapter.variables is not None:
             for hook in _VARIABLE_HOOKS:
                 if hasattr(adapter.variables, hook):

@@ -2,7 +2,7 @@
 tensorflow, and MLX with ``compile=True``).
 
 The op-by-op step compiles only the gradient; the optimiser's update then runs in Python,
-one library call per operation and leaf.  Here the backend's ``compile_step`` hook (an
+one library call per operation and leaf.  Here the backend's ``compiler`` hook (an
 adapter's instance attribute: ``jax.jit``, ``tf.function``, ``mx.compile``) compiles the
 whole step: the gradient, the rule (clipping, scheduled hyperparameters), the new
 parameters and state, and the finite check's total.  The arithmetic is the rule's own
@@ -240,7 +240,7 @@ _flatten_known = optree.tree_flatten
 
 
 def _compiler(b: Any) -> Callable[..., Any] | None:
-    return getattr(b, "compile_step", None)
+    return getattr(b, "compiler", None)
 
 
 def compiled_train_step(
@@ -254,8 +254,8 @@ def compiled_train_step(
     the ``ad.Implicit`` backend, ``bound`` the loss bound to the model."""
     implicit = bound is not None
     lib = b.inner if implicit else b
-    compile_step = _compiler(lib)
-    if compile_step is None:
+    compiler = _compiler(lib)
+    if compiler is None:
         return None
     flatten = _flatten_known  # the hot path's: a container type not yet discovered misses the plan
     if implicit:
@@ -276,7 +276,7 @@ def compiled_train_step(
         s_leaves, s_def = pytree.tree_flatten(state.tree, none_is_leaf=True)
         b_leaves, b_def = pytree.tree_flatten(batch, none_is_leaf=True)
         defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
-        plan = _plan(b, lib, compile_step, loss_fn, bound, model, params, state, defs, leaves, len(m_leaves),
+        plan = _plan(b, lib, compiler, loss_fn, bound, model, params, state, defs, leaves, len(m_leaves),
                      len(s_leaves))
         if plan is None:
             return None
@@ -327,7 +327,7 @@ def compiled_train_step(
     return new_state, pytree.tree_unflatten(m_def, _fill(m_leaves, m_kinds, new_m, [])), loss
 
 
-def _plan(b: Any, lib: Any, compile_step: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
+def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
           params: list, state: optim.OptState, defs: tuple, leaves: list, n_m: int, n_s: int) -> _Plan | None:
     """The plan of this form, with its compiled step (traced at its first call), or None
     where the form does not compile (see the module docstring)."""
@@ -366,7 +366,7 @@ def _plan(b: Any, lib: Any, compile_step: Callable, loss_fn: Callable[..., Any],
                                for r, o in zip(step.refs, [*identity, *params])):
         body = _body(b, loss_fn, bound, model if implicit else None, m_leaves, m_def, m_kinds, s_leaves, s_def,
                      s_kinds, b_leaves, b_def, b_kinds, state, state.rule.at(state.step), slots, dtype)
-        run = compile_step(body, implicit)
+        run = compiler(body, implicit)
         if run is None:
             return None
         step = _Step(run, CaptureWatch(loss_fn), [state.rule, *alive], STEPS.weak(key, [*identity, *params]))

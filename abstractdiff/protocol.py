@@ -23,7 +23,12 @@ library:
   ``fori_loop(lower, upper, body, init)``, ``scan(f, init, xs, length)`` and
   ``while_loop(cond, body, init)`` on flat leaf lists (``ad.fori_loop`` and friends run on
   them, traced once; a hook may return ``NotImplemented`` for the core's Python loop).  It is
-  an instance attribute, not one of this class's names, which are at their limit.
+  an instance attribute, not one of this class's names, which are at their limit;
+* optionally its compiler: ``self.compiler(fn, assigns_variables=False) -> run | None``
+  (``jax.jit``, ``tf.function``, ``mx.compile``) compiles a function of lists of native
+  arrays; an instance attribute too.  ``ad.train_step`` runs gradient, optimiser rule and
+  finite check through it as one compiled call (:mod:`abstractdiff._compiled_step`), and a
+  prepared ``ad.Sparse`` operator its products and decompression (:mod:`abstractdiff._sparse`).
 
 Every default is numpy's, so an adapter writes only where its library differs.  This
 module imports no other module of abstractdiff.  Adapters written against the older design,

@@ -225,7 +225,7 @@ class JaxAdapter(Adapter):
         self.trace_count = 0
         self.variables = _keras.StatelessVariables(self, "jax")  # Keras 3 variables: jax arrays are immutable
         self.loops = _Loops()  # the loop hooks (ad.scan...): lax's loops, traced once
-        self.compile_step = self._compile_step if compile else None  # the whole train_step in one jit
+        self.compiler = self._compiler if compile else None  # whole train_steps, sparse calls: one jit
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
@@ -253,7 +253,7 @@ class JaxAdapter(Adapter):
             except _CONCRETE_ERRORS as err:
                 raise TracedControlFlowError(self._control_flow_message(err)) from err
 
-    def _compile_step(self, step: Callable, assigns_variables: bool) -> Callable | None:
+    def _compiler(self, step: Callable, assigns_variables: bool = False) -> Callable | None:
         if assigns_variables:
             return None  # jax arrays are immutable: implicit mode's variables are assigned in Python
         jitted, leaves = jax.jit(step), jax.tree_util.tree_leaves

@@ -413,13 +413,13 @@ class MLXAdapter(Adapter):
         #: call that reuses its trace leaves it unchanged (tests count retraces).
         self.trace_count = 0
         self.variables = _Variables(self)
-        self.compile_step = self._compile_step if compile else None  # the whole train_step in one mx.compile
+        self.compiler = self._compiler if compile else None  # whole train_steps, sparse calls: one mx.compile
 
-    def _compile_step(self, step: Callable, assigns_variables: bool) -> Callable | None:
+    def _compiler(self, step: Callable, assigns_variables: bool = False) -> Callable | None:
         # arrays are values: implicit mode's variables are assigned in Python, op by op
         compiled, native = mx.compile(step), lambda a: self.from_numpy(a) if isinstance(a, np.ndarray) else a
-        run = lambda m, s, n, b: self._call(compiled, m, s, native(n), [*map(native, b)])  # noqa: E731
-        return None if assigns_variables else run
+        arg = lambda a: list(map(native, a)) if type(a) is list else native(a)  # noqa: E731
+        return None if assigns_variables else lambda *args: self._call(compiled, *map(arg, args))
 
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:

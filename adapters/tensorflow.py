@@ -330,9 +330,9 @@ class TensorFlowAdapter(Adapter):
         self.trace_count = 0
         self.variables = _keras.WithKerasVariables(_Variables(self), "tensorflow")
         self.loops = _Loops()  # the loop hooks (ad.scan...): tf.while_loop in graphs
-        self.compile_step = self._compile_step if compile else None  # the whole train_step as a tf.function
+        self.compiler = self._compiler if compile else None  # whole train_steps, sparse calls: a tf.function
 
-    def _compile_step(self, step: Callable, assigns_variables: bool) -> Callable:
+    def _compiler(self, step: Callable, assigns_variables: bool = False) -> Callable:
         compiled = tf.function(step, autograph=False)  # a graph assigns tf.Variables (and Keras 3 variables) itself
 
         def run(*args: Any) -> Any:

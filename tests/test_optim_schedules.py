@@ -342,7 +342,7 @@ def test_implicit_mode_matches_explicit_mode(make, name, dtype):
         istate, vs, _ = ad.train_step(_quadratic, vs, (target,), istate, backend=ad.Implicit(name))
     got = ad.to_numpy(vs)["w"]
     assert got.dtype == np.dtype(dtype)
-    if dtype == "float32" and ad.backend(b.name).compile_step is not None:
+    if dtype == "float32" and ad.backend(b.name).compiler is not None:
         # the explicit steps ran as one compiled call, which computes the rule's scalar
         # arithmetic (Adam's 1 - b2**t) in float32 where the op-by-op step computes it in
         # Python floats: float32 rounding of the hyperparameters, not a tolerance on float64
