@@ -384,29 +384,37 @@ def _seed_leaves(b: Backend, block: np.ndarray, xs: list) -> list:
 
 
 def _compressed(b: Backend, seeds: np.ndarray, to_native: Callable[[np.ndarray], Any],
-                call: Callable[[Any], np.ndarray], cache: dict | None = None, key: Hashable = None) -> np.ndarray:
+                call: Callable[[Any], np.ndarray], cache: dict | None = None, key: Hashable = None,
+                native: bool = False) -> np.ndarray:
     """``call`` on the seeds in ``b``'s chunks (the last one padded: one shape per batched call),
     each chunk made ``b``'s arrays by ``to_native`` once per ``key`` where ``cache`` keeps them
-    (a plan's: its seeds never change, so a call converts none)."""
+    (a plan's: its seeds never change, so a call converts none).  ``native``: ``call``
+    returns ``b``'s arrays, and so does this (inside a compiled call, see :func:`_fused`)."""
     chunks = b.basis_chunks(seeds.shape[0])
     if not chunks:
         return np.zeros((0, 0))
     width = chunks[0][1] - chunks[0][0]
     out = []
     for start, stop in chunks:
-        native = None if cache is None else cache.get((key, start))
-        if native is None:
+        seed = None if cache is None else cache.get((key, start))
+        if seed is None:
             block = np.zeros((width, seeds.shape[1]), dtype=seeds.dtype)
             block[: stop - start] = seeds[start:stop]
-            native = to_native(block)
+            seed = to_native(block)
             if cache is not None:
-                cache[(key, start)] = native
-        out.append(call(native)[: stop - start])
+                cache[(key, start)] = seed
+        out.append(call(seed)[: stop - start])
+    if native:
+        return out[0] if len(out) == 1 else ar().do("concatenate", out, axis=0)
     return np.concatenate(out, axis=0)
 
 
-def _flat_numpy(b: Backend, leaves: list, k: int) -> np.ndarray:
-    """Batched leaves ``(k,) + shape`` as one ``(k, total)`` numpy array."""
+def _flat_numpy(b: Backend, leaves: list, k: int, native: bool = False) -> np.ndarray:
+    """Batched leaves ``(k,) + shape`` as one ``(k, total)`` numpy array (``b``'s array with ``native``)."""
+    if native:
+        a = ar()
+        parts = [a.do("reshape", v, (k, -1)) for v in leaves]
+        return parts[0] if len(parts) == 1 else a.do("concatenate", parts, axis=1)
     return np.concatenate([np.reshape(np.asarray(b.to_numpy(v)), (k, -1)) for v in leaves], axis=1)
 
 
@@ -419,20 +427,22 @@ def _signature(xs: list) -> tuple:
 
 
 def jacobian_products(inner: Backend, fn: FlatFn, xs: list, data: list, forward_seeds: np.ndarray | None,
-                      reverse_seeds: np.ndarray | None, cache: dict | None = None) -> tuple[Any, Any]:
+                      reverse_seeds: np.ndarray | None, cache: dict | None = None,
+                      native: bool = False) -> tuple[Any, Any]:
     """``(J S_f^T, S_r J)`` transposed as ``(k_f, y.size)`` and ``(k_r, x.size)``: the batched
     pushforwards of the rows of ``forward_seeds`` and pullbacks of those of ``reverse_seeds``
-    (``None`` for a side without seeds)."""
+    (``None`` for a side without seeds); numpy arrays, or ``inner``'s with ``native``."""
     forward = reverse = None
     if forward_seeds is not None and forward_seeds.shape[0]:
         y, _, jvps = inner.flat_value_and_batched_pushforward(fn, xs, data)
         m = size_of(y)
 
         def push(seeds: list) -> np.ndarray:
-            return np.reshape(np.asarray(inner.to_numpy(jvps(seeds))), (-1, m))
+            out = jvps(seeds)
+            return ar().do("reshape", out, (-1, m)) if native else np.reshape(np.asarray(inner.to_numpy(out)), (-1, m))
 
         forward = _compressed(inner, forward_seeds, lambda block: _seed_leaves(inner, block, xs), push, cache,
-                              ("forward", _signature(xs)))
+                              ("forward", _signature(xs)), native)
     if reverse_seeds is not None and reverse_seeds.shape[0]:
         y, _, vjps = inner.flat_value_and_batched_pullback(fn, xs, data)
 
@@ -441,14 +451,14 @@ def jacobian_products(inner: Backend, fn: FlatFn, xs: list, data: list, forward_
 
         def pull(dys: Any) -> np.ndarray:
             k = shape_of(dys)[0]
-            return _flat_numpy(inner, inner.complete_batched(vjps(dys), xs, k), k)
+            return _flat_numpy(inner, inner.complete_batched(vjps(dys), xs, k), k, native)
 
-        reverse = _compressed(inner, reverse_seeds, cotangents, pull, cache, ("reverse", _signature([y])))
+        reverse = _compressed(inner, reverse_seeds, cotangents, pull, cache, ("reverse", _signature([y])), native)
     return forward, reverse
 
 
 def hessian_products(sparse: Sparse, fn: FlatFn, xs: list, data: list, seeds: np.ndarray, mode: str,
-                     cache: dict | None = None) -> np.ndarray:
+                     cache: dict | None = None, native: bool = False) -> np.ndarray:
     """``(k, x.size)``: the Hessian-vector products of the rows of ``seeds``, forward over
     reverse (the inner backend's batched pushforward of its gradient) or reverse over reverse."""
     inner = sparse.inner
@@ -465,16 +475,17 @@ def hessian_products(sparse: Sparse, fn: FlatFn, xs: list, data: list, seeds: np
         _, _, jvps = inner.flat_value_and_batched_pushforward(grad, [z], data)
 
         def call(block: Any) -> np.ndarray:
-            return np.asarray(inner.to_numpy(jvps([block])))
+            out = jvps([block])
+            return out if native else np.asarray(inner.to_numpy(out))
     else:
         _, _, vjps = inner.flat_value_and_batched_pullback(grad, [z], data)
 
         def call(block: Any) -> np.ndarray:
             k = shape_of(block)[0]
-            return _flat_numpy(inner, inner.complete_batched(vjps(block), [z], k), k)
+            return _flat_numpy(inner, inner.complete_batched(vjps(block), [z], k), k, native)
 
     key = (HessianPrep.operator, dtype)
-    return _compressed(inner, seeds, lambda block: inner.asarray(block, dtype), call, cache, key)
+    return _compressed(inner, seeds, lambda block: inner.asarray(block, dtype), call, cache, key, native)
 
 
 # ------------------------------------------------------------------ Jacobians
@@ -513,6 +524,9 @@ def sparse_jacobian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: lis
     """The CSR Jacobian of ``fn`` at ``xs`` by ``plan``'s compressed products."""
     if plan.count == 0:
         return _sp().csr_matrix(plan.pattern.shape)
+    fused = _fused(sparse, plan, fn, xs, data, 1)
+    if fused is not None:
+        return fused
     forward, reverse = jacobian_products(sparse.inner, fn, xs, data, plan.forward_seeds, plan.reverse_seeds,
                                          plan.native)
     return plan.decompress(forward, reverse, approximates(sparse.inner, 1), order=1)
@@ -539,9 +553,63 @@ def sparse_hessian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list
     """The CSR Hessian of scalar ``fn`` at ``xs`` from ``plan``'s compressed Hessian-vector products."""
     if plan.count == 0:
         return _sp().csr_matrix(plan.pattern.shape)
+    fused = _fused(sparse, plan, fn, xs, data, 2)
+    if fused is not None:
+        return fused
     compressed = hessian_products(sparse, fn, xs, data, plan.forward_seeds, plan.hvp_mode,  # type: ignore[arg-type]
                                   plan.native)
     return plan.decompress(compressed, None, approximates(sparse.inner, 2), order=2)
+
+
+# ------------------------------------------------------------------ one compiled call
+def _fused(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list, order: int) -> Any:
+    """The sparse result from one compiled call of the inner backend's library (its
+    ``compiler`` hook: ``jax.jit``, ``tf.function``, ``mx.compile``): the compressed products,
+    the check that they are zero outside the pattern, and the decompression (a gather of each
+    nonzero from where it lies alone), so one small array comes back per call instead of every
+    compressed product.  ``None`` where there is no compiler, the backend approximates, the
+    decompression needs substitution (acyclic colorings, solved in numpy) or the inputs are
+    not the inner backend's arrays; also where the compiled check finds a nonzero outside the
+    pattern, so that the step-by-step route raises its error, which says where."""
+    inner = sparse.inner
+    compiler = getattr(inner, "compiler", None)
+    if compiler is None or plan.index is None or approximates(inner, order) or not all(
+            inner.is_native(a) for a in xs):
+        return None
+    key = ("compiled", order, _signature(xs), _signature([a for a in data if inner.is_native(a)]))
+    run = plan.native.get(key)
+    if run is None:
+        run = plan.native[key] = compiler(_fused_body(sparse, plan, fn, order))
+    # one transfer: the values, then the check (a copy: the result is the caller's to change)
+    values = np.array(inner.to_numpy(run(list(xs), list(data))))
+    if values[-1] != 0.0:
+        return None
+    return _sp().csr_matrix((values[:-1], plan.pattern.indices.copy(), plan.pattern.indptr.copy()),
+                            shape=plan.pattern.shape)
+
+
+def _fused_body(sparse: Sparse, plan: _Plan, fn: FlatFn, order: int) -> Callable[[list, list], Any]:
+    """``(xs, data) -> values``: the nonzeros in CSR order, then the sum of ``|product|``
+    outside the pattern (0 unless the pattern misses an entry)."""
+    inner, a = sparse.inner, ar()
+
+    def body(xs: list, data: list) -> tuple:
+        # the seeds, masks and index are the trace's constants (not the plan's cached arrays:
+        # made inside a trace, those would be the trace's values)
+        if order == 1:
+            parts = jacobian_products(inner, fn, xs, data, plan.forward_seeds, plan.reverse_seeds, None, True)
+        else:
+            parts = (hessian_products(sparse, fn, xs, data, plan.forward_seeds, plan.hvp_mode, None, True), None)
+        masks = (plan.outside_forward, plan.outside_reverse)
+        compressed = [(c, mask) for c, mask in zip(parts, masks) if c is not None]
+        flat = [a.do("reshape", c, (-1,)) for c, _ in compressed]
+        flat = flat[0] if len(flat) == 1 else a.do("concatenate", flat)
+        outside = sum(a.do("sum", a.do("abs", c) * inner.asarray(mask.astype(np.float64), dtype_name(c)))
+                      for c, mask in compressed)
+        index = inner.asarray(plan.index, "int32" if plan.index.max() < 2**31 else "int64")
+        return a.do("concatenate", [a.do("take", flat, index), a.do("reshape", outside, (1,))])
+
+    return body
 
 
 # ------------------------------------------------------------------ preparations
