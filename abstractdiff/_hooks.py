@@ -102,6 +102,8 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "composition": ("custom_function", "foreign_function", "custom_rule"),
     # an object with fori_loop, scan and while_loop (ad.fori_loop... on the library's loops)
     "loops": ("loops",),
+    # compiles a function of arrays: a whole ad.train_step, a prepared ad.Sparse call
+    "compile": ("compiler",),
 }
 
 
@@ -167,6 +169,9 @@ class AdapterHooks:
     #: The loop hooks: an object with ``fori_loop``, ``scan`` and ``while_loop`` on flat leaf
     #: lists (the adapter guide's "Loops"), or None: ``ad.fori_loop`` and friends run as Python loops.
     loops: Any = None
+    #: The compiler: ``compiler(fn, assigns_variables=False) -> run | None`` (``jax.jit``,
+    #: ``tf.function``, ``mx.compile``), or None: whole training steps and sparse calls run op by op.
+    compiler: Any = None
 
     def __init__(self, *, device: str | None = None, chunk_size: int | None = None, **options: Any):
         if chunk_size is not None:
