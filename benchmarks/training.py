@@ -164,6 +164,29 @@ def _jax(size: str) -> tuple[dict[str, Step], dict[str, Callable[[], float]]]:
     return steps, last
 
 
+def _implicit_ours(fresh: Callable[[], Any], loss: Callable[..., Any], b: Any, x: Any,
+                   y: Any) -> tuple[dict[str, Step], dict[str, Callable[[], float]]]:
+    """``ad.train_step`` in implicit mode on a fresh model, compiled and op by op (the steps, and
+    each one's last loss)."""
+    steps: dict[str, Step] = {}
+    last: dict[str, Callable[[], float]] = {}
+
+    def ours_chain() -> tuple[Step, Callable[[], float]]:
+        model = fresh()
+        holder = {"state": optim.setup(optim.Adam(LR), model), "loss": None}
+
+        def step() -> Any:
+            holder["state"], _, holder["loss"] = ad.train_step(loss, model, (x, y), holder["state"], backend=b)
+            return holder["loss"]
+
+        return step, lambda: float(holder["loss"])
+
+    steps["ours"], last["ours"] = ours_chain()
+    op, last["ours op by op"] = ours_chain()
+    steps["ours op by op"] = _without_compile(op)
+    return steps, last
+
+
 def _tensorflow(size: str) -> tuple[dict[str, Step], dict[str, Callable[[], float]]]:
     import keras
     import tensorflow as tf
@@ -187,22 +210,7 @@ def _tensorflow(size: str) -> tuple[dict[str, Step], dict[str, Callable[[], floa
         return keras.ops.mean((model(x) - y) ** 2)
 
     b = ad.Implicit("tensorflow")
-    steps: dict[str, Step] = {}
-    last: dict[str, Callable[[], float]] = {}
-
-    def ours_chain() -> tuple[Step, Callable[[], float]]:
-        model = fresh()
-        holder = {"state": optim.setup(optim.Adam(LR), model), "loss": None}
-
-        def step() -> Any:
-            holder["state"], _, holder["loss"] = ad.train_step(loss, model, (x, y), holder["state"], backend=b)
-            return holder["loss"]
-
-        return step, lambda: float(holder["loss"])
-
-    steps["ours"], last["ours"] = ours_chain()
-    op, last["ours op by op"] = ours_chain()
-    steps["ours op by op"] = _without_compile(op)
+    steps, last = _implicit_ours(fresh, loss, b, x, y)
 
     def native_chain(sync: bool) -> tuple[Step, Callable[[], float]]:
         model = fresh()
@@ -251,22 +259,7 @@ def _torch(size: str) -> tuple[dict[str, Step], dict[str, Callable[[], float]]]:
         return ((model(x) - y) ** 2).mean()
 
     b = ad.Implicit("torch")
-    steps: dict[str, Step] = {}
-    last: dict[str, Callable[[], float]] = {}
-
-    def ours_chain() -> tuple[Step, Callable[[], float]]:
-        model = fresh()
-        holder = {"state": optim.setup(optim.Adam(LR), model), "loss": None}
-
-        def step() -> Any:
-            holder["state"], _, holder["loss"] = ad.train_step(loss, model, (x, y), holder["state"], backend=b)
-            return holder["loss"]
-
-        return step, lambda: float(holder["loss"])
-
-    steps["ours"], last["ours"] = ours_chain()
-    op, last["ours op by op"] = ours_chain()
-    steps["ours op by op"] = _without_compile(op)
+    steps, last = _implicit_ours(fresh, loss, b, x, y)
 
     model = fresh()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
