@@ -40,6 +40,7 @@ import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import optree
 
 from . import _pytree as pytree
@@ -167,8 +168,8 @@ class _Plan:
     step of an equal form (a new but equal rule) in :data:`STEPS`."""
 
     __slots__ = ("rule", "frozen", "defs", "types", "static_at", "static_values", "dtype_at", "dtypes",
-                 "m_kinds", "s_kinds", "scalar_at", "slots", "dtype", "key", "step", "params", "m_dynamic",
-                 "s_dynamic", "b_dynamic")
+                 "m_kinds", "s_kinds", "all_dynamic", "scalar_at", "slots", "dtype", "key", "step", "params",
+                 "m_dynamic", "s_dynamic", "b_dynamic")
 
     def matches(self, state: optim.OptState, defs: tuple, leaves: list, params: list) -> bool:
         return (
@@ -287,8 +288,6 @@ def compiled_train_step(
         plans.insert(0, plan)
     if plan.step.run is _FAILED:
         return None
-    import numpy as np
-
     ints = [s_leaves[i] for i in plan.scalar_at]
     if ints and max(map(abs, ints)) >= _EXACT_BELOW[plan.dtype]:
         return None
@@ -319,12 +318,13 @@ def compiled_train_step(
     report = lib.to_numpy(report)  # the one synchronisation
     if not report[0] == 0:
         raise non_finite()
-    counts = report[1:].round().astype(int).tolist()
+    counts = report[1:].astype(np.int64).tolist()  # exact: integers below _EXACT_BELOW
     new_tree = pytree.tree_unflatten(s_def, _fill(s_leaves, s_kinds, new_s, counts))
     new_state = state._replace(step=state.step + 1, tree=new_tree, implicit=implicit)
     if implicit:
         return new_state, model, loss
-    return new_state, pytree.tree_unflatten(m_def, _fill(m_leaves, m_kinds, new_m, [])), loss
+    new_leaves = new_m if plan.all_dynamic else _fill(m_leaves, m_kinds, new_m, [])
+    return new_state, pytree.tree_unflatten(m_def, new_leaves), loss
 
 
 def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
@@ -383,6 +383,7 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     plan.m_kinds, plan.s_kinds, plan.slots, plan.dtype = m_kinds, s_kinds, slots, dtype
     plan.scalar_at = [i for i, k in enumerate(s_kinds) if k == _SCALAR]
     plan.params = params
+    plan.all_dynamic = all(k == _DYNAMIC for k in m_kinds)
     plan.m_dynamic, plan.s_dynamic, plan.b_dynamic = (
         [i for i, k in enumerate(part) if k == _DYNAMIC] for part in (m_kinds, s_kinds, b_kinds))
     return plan

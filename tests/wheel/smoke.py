@@ -182,6 +182,54 @@ def keras_on_every_keras_backend():
         assert proc.returncode == 0 and f"keras {name} ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@check
+def compiled_train_steps_and_sparse_calls():
+    """A whole train_step as one jax.jit / tf.function call, equal to the op-by-op step, and a
+    prepared sparse Hessian as one compiled call, equal to the dense one (jax, tensorflow)."""
+    import warnings
+
+    from autoray import numpy as anp
+
+    import abstractdiff as ad
+    import abstractdiff._compiled_step as cs
+    from abstractdiff import optim
+    from abstractdiff.testing._sparse_problems import arrowhead
+
+    def loss(m, x, y):
+        return anp.mean((anp.tanh(x @ m["w"]) @ m["v"] - y) ** 2)
+
+    rng = np.random.default_rng(0)
+    start = {"w": rng.standard_normal((3, 4)), "v": rng.standard_normal((4, 1))}
+    x, y = rng.standard_normal((8, 3)), rng.standard_normal((8, 1))
+    for name in ("jax", "tensorflow"):
+        b = ad.backend(name)
+        results = []
+        for compiled in (True, False):
+            saved = cs._compiler
+            if not compiled:
+                cs._compiler = lambda b: None
+            try:
+                model = {k: b.convert(v) for k, v in start.items()}
+                state = optim.setup(optim.chain(optim.ClipNorm(1.0), optim.Adam(1e-2)), model)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", ad.CompileFallbackWarning)
+                    for _ in range(4):
+                        state, model, _ = ad.train_step(loss, model, (b.convert(x), b.convert(y)), state, backend=b)
+            finally:
+                cs._compiler = saved
+            results.append({k: ad.to_numpy(v) for k, v in model.items()})
+        for k in start:
+            np.testing.assert_allclose(results[0][k], results[1][k], rtol=1e-12, atol=1e-12, err_msg=name)
+        point = b.convert(rng.uniform(0.5, 1.5, 30))
+        prepared = ad.prepare_hessian(ad.Sparse(b), arrowhead, point)
+        got = prepared(point)
+        assert prepared.ncolors <= 3, (name, prepared.ncolors)
+        native = prepared.preparation.plan([point], []).native
+        assert any(isinstance(k, tuple) and k[:1] == ("compiled",) for k in native), name
+        np.testing.assert_allclose(got.toarray(), ad.to_numpy(ad.hessian(b, arrowhead, point)), rtol=1e-12,
+                                   atol=1e-12, err_msg=name)
+
+
 def main() -> int:
     failed = 0
     for f in CHECKS:
