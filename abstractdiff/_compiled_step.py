@@ -23,6 +23,9 @@ What the compiled step is keyed on (a step of another form traces again):
   traced input, so a schedule never costs a trace;
 * the frozen paths; in implicit mode, the variables by identity.
 
+A form's first step runs op by op and its second compiles (a one-off step is not worth a
+trace of the whole step); an equal form compiled before is reused at once.
+
 A step compiles only where its form allows it: array leaves of one float dtype (the
 dtype the scheduled values and the state's step counts are traced in), no Python-float
 parameters, Python-int state leaves exactly representable in that dtype; in implicit
@@ -51,7 +54,7 @@ from ._tree import _function_identity, _weak_callable, is_array
 from .optim._rules import Chain, Rule
 from .optim._state import _check_set_up_for, _weak
 
-__all__ = ["CompileFallbackWarning", "compiled_train_step"]
+__all__ = ["DEFERRED", "CompileFallbackWarning", "compiled_train_step"]
 
 
 class CompileFallbackWarning(UserWarning):
@@ -160,6 +163,15 @@ class _Step(NamedTuple):
     refs: list  # weak references to the loss and the variables, which the key names by id
 
 
+#: what :func:`compiled_train_step` returns for a form's first step: take the op-by-op step,
+#: and do not ask again in this step (a second call would be the form's second step)
+DEFERRED: Any = object()
+
+
+#: the step of a form the library's compiler declined (implicit mode on jax): op by op, silently
+_DECLINED = _Step(_FAILED, None, [], [])  # type: ignore[arg-type]
+
+
 class _Plan:
     """One form of step, recognised on the next calls by a few identity and structure tests
     (the hot path): the rule and frozen paths by identity (both are immutable), the
@@ -169,7 +181,7 @@ class _Plan:
 
     __slots__ = ("rule", "frozen", "defs", "types", "static_at", "static_values", "dtype_at", "dtypes",
                  "m_kinds", "s_kinds", "all_dynamic", "scalar_at", "slots", "dtype", "key", "step", "params",
-                 "m_dynamic", "s_dynamic", "b_dynamic")
+                 "m_dynamic", "s_dynamic", "b_dynamic", "compile")
 
     def matches(self, state: optim.OptState, defs: tuple, leaves: list, params: list) -> bool:
         return (
@@ -247,12 +259,13 @@ def _compiler(b: Any) -> Callable[..., Any] | None:
 def compiled_train_step(
     b: Any, loss_fn: Callable[..., Any], model: Any, batch: tuple, state: optim.OptState,
     non_finite: Callable[[], Exception], bound: Callable[..., Any] | None = None,
-) -> tuple[optim.OptState, Any, Any] | None:
+) -> Any:
     """The step ``ad.train_step`` takes, as one compiled call: ``(state, model, loss)``, or
-    None where this backend or this step's form does not compile (the caller then takes
-    the op-by-op step).  ``non_finite()`` is the error raised when the loss, a gradient or
-    a new value is not finite (nothing is returned or assigned).  Implicit mode: ``b`` is
-    the ``ad.Implicit`` backend, ``bound`` the loss bound to the model."""
+    None where this backend or this step's form does not compile, or :data:`DEFERRED` for a
+    form's first step (the caller then takes the op-by-op step).  ``non_finite()`` is the
+    error raised when the loss, a gradient or a new value is not finite (nothing is returned
+    or assigned).  Implicit mode: ``b`` is the ``ad.Implicit`` backend, ``bound`` the loss
+    bound to the model."""
     implicit = bound is not None
     lib = b.inner if implicit else b
     compiler = _compiler(lib)
@@ -270,7 +283,8 @@ def compiled_train_step(
     defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
     plans = STEPS.plans(loss_fn, model, lib, implicit)
     plan = next((p for p in plans if p.matches(state, defs, leaves, params)), None)
-    if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
+    if plan is None or (plan.step is not None and plan.step.run is not _FAILED
+                        and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
         m_leaves, m_def = pytree.tree_flatten(model, none_is_leaf=True) if not implicit else ([], None)
@@ -283,9 +297,13 @@ def compiled_train_step(
             return None
         plans.insert(0, plan)
         del plans[_PLANS_KEPT:]
+        if plan.step is None:
+            return DEFERRED  # a form's first step: op by op (see _plan)
     elif plans[0] is not plan:
         plans.remove(plan)
         plans.insert(0, plan)
+    if plan.step is None:  # the form's second step: compile it now
+        plan.step, plan.compile = plan.compile() or _DECLINED, None
     if plan.step.run is _FAILED:
         return None
     ints = [s_leaves[i] for i in plan.scalar_at]
@@ -329,8 +347,10 @@ def compiled_train_step(
 
 def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
           params: list, state: optim.OptState, defs: tuple, leaves: list, n_m: int, n_s: int) -> _Plan | None:
-    """The plan of this form, with its compiled step (traced at its first call), or None
-    where the form does not compile (see the module docstring)."""
+    """The plan of this form, or None where the form does not compile (see the module
+    docstring).  Its compiled step is that of an equal form already compiled, else None
+    until the form's second step (:meth:`_Plan.compile`): a one-off step (a test, a
+    notebook cell) is not worth a trace of the whole step, a loop's second step is."""
     implicit = bound is not None
     m_leaves, s_leaves, b_leaves = leaves[:n_m], leaves[n_m:n_m + n_s], leaves[n_m + n_s:]
     if implicit:
@@ -362,16 +382,36 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         _rule_key(state.rule, alive), state.frozen.paths, tuple(map(id, params)),
     )
     step = STEPS.get(key, loss_fn)
-    if step is None or not all((r() if isinstance(r, weakref.ref) else r) is o
-                               for r, o in zip(step.refs, [*identity, *params])):
-        body = _body(b, loss_fn, bound, model if implicit else None, m_leaves, m_def, m_kinds, s_leaves, s_def,
-                     s_kinds, b_leaves, b_def, b_kinds, state, state.rule.at(state.step), slots, dtype)
+    if step is not None and not all((r() if isinstance(r, weakref.ref) else r) is o
+                                    for r, o in zip(step.refs, [*identity, *params])):
+        step = None
+    rule_at = state.rule.at(state.step)
+    # what the trace needs of this call's leaves: the static ones (holding the arrays would
+    # keep a copy of the model, its optimiser state and a batch alive with the plan)
+    m_leaves, s_leaves, b_leaves = (
+        [a if k == _STATIC else None for a, k in zip(part, kinds_of)]
+        for part, kinds_of in ((m_leaves, m_kinds), (s_leaves, s_kinds), (b_leaves, b_kinds)))
+
+    shell = state._replace(tree=None, implicit=False)  # the rule, frozen paths and variables, not the arrays
+    loss_ref, bound_ref, model_ref = _weak_callable(loss_fn), _weak(bound), _weak(model)  # the plan's owners
+
+    def compile_() -> _Step | None:
+        """The compiled step of this form (traced at its first call), or None where the
+        library's compiler declines it."""
+        fn = loss_ref()
+        if fn is None:
+            return None
+        body = _body(b, fn, bound_ref(), model_ref() if implicit else None, m_leaves, m_def, m_kinds, s_leaves,
+                     s_def, s_kinds, b_leaves, b_def, b_kinds, shell, rule_at, slots, dtype)
         run = compiler(body, implicit)
         if run is None:
             return None
-        step = _Step(run, CaptureWatch(loss_fn), [state.rule, *alive], STEPS.weak(key, [*identity, *params]))
-        STEPS.put(key, step)
+        new = _Step(run, CaptureWatch(fn), [shell.rule, *alive], STEPS.weak(key, [*_function_identity(fn), *params]))
+        STEPS.put(key, new)
+        return new
+
     plan = _Plan()
+    plan.compile = compile_
     plan.rule, plan.frozen, plan.defs, plan.key, plan.step = state.rule, state.frozen, defs, key, step
     plan.types = tuple(map(type, leaves))
     plan.static_at = [i for i, k in enumerate(kinds) if k == _STATIC]
@@ -391,7 +431,7 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
 
 def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves: list, m_def: Any, m_kinds: list,
           s_leaves: list, s_def: Any, s_kinds: list, b_leaves: list, b_def: Any, b_kinds: list,
-          state: optim.OptState, rule_at: Rule, slots: list, dtype: str) -> Callable[..., tuple]:
+          shell: optim.OptState, rule_at: Rule, slots: list, dtype: str) -> Callable[..., tuple]:
     """The step as a function of its traced inputs: ``(model arrays, state arrays, numbers,
     batch arrays) -> (loss, report, new model arrays, new state arrays)``, ``numbers`` being
     the scheduled values then the Python-int state leaves, in one array of the step's
@@ -402,7 +442,6 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
     bound_ref = _weak(bound) if bound is not None else None
     model_ref = _weak(model) if model is not None else None
     n_hyper, n_numbers = len(slots), len(slots) + s_kinds.count(_SCALAR)
-    shell = state._replace(tree=None, implicit=False)
 
     def body(m_arrays: list, s_arrays: list, vector: Any, b_arrays: list) -> tuple:
         numbers = [vector[i] for i in range(n_numbers)]

@@ -78,8 +78,12 @@ def test_a_python_float_leaf_trains_exactly_as_a_0d_float64_array(name):
         s_float, as_float, _ = ad.train_step(scaled_distance, as_float, (x,), s_float, backend=name)
         s_array, as_array, _ = ad.train_step(scaled_distance, as_array, (x,), s_array, backend=name)
     assert type(as_float["b"]) is float and s_float.step == 3
-    assert as_float["b"] == float(ad.to_numpy(as_array["b"]))  # the same arithmetic, bit for bit
-    np.testing.assert_array_equal(ad.to_numpy(as_float["w"]), ad.to_numpy(as_array["w"]))
+    if ad.backend(name).compiler is None:
+        assert as_float["b"] == float(ad.to_numpy(as_array["b"]))  # the same arithmetic, bit for bit
+        np.testing.assert_array_equal(ad.to_numpy(as_float["w"]), ad.to_numpy(as_array["w"]))
+    else:  # the arrays' steps ran compiled (a Python-float leaf does not): the same arithmetic, to 1e-12
+        np.testing.assert_allclose(as_float["b"], float(ad.to_numpy(as_array["b"])), rtol=1e-12)
+        np.testing.assert_allclose(ad.to_numpy(as_float["w"]), ad.to_numpy(as_array["w"]), rtol=1e-12)
 
 
 def test_optim_update_trains_a_python_float_with_numpy_gradients():

@@ -213,8 +213,9 @@ def test_a_rule_that_needs_a_concrete_number_runs_op_by_op_with_a_warning():
     b = backend("jax", {})
     model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
     state = optim.setup(SignIfLarge(), model)
+    ad.train_step(loss, model, (x, y), state, backend=b)  # a form's first step runs op by op
     with pytest.warns(ad.CompileFallbackWarning, match="op by op"):
-        got_state, got, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+        got_state, got, _ = ad.train_step(loss, model, (x, y), state, backend=b)  # the second compiles
     with warnings.catch_warnings():
         warnings.simplefilter("error", ad.CompileFallbackWarning)  # once per form, not per step
         ad.train_step(loss, model, (x, y), state, backend=b)
@@ -237,8 +238,10 @@ def test_forms_that_do_not_compile_take_the_op_by_op_step_silently():
             warnings.simplefilter("error", ad.CompileFallbackWarning)
             state, new, _ = ad.train_step(loss, model, (x, y), state, backend=b)
         assert state.step == 1
-    # the numpy model's second step (converted now) compiles
+    # the numpy model's later steps (converted now) compile: from the second of that form
     cs.STEPS.clear()
+    state, new, _ = ad.train_step(loss, new, (x, y), state, backend=b)
+    assert not compiled_entries()  # a form's first step: op by op (a one-off step is not worth a trace)
     ad.train_step(loss, new, (x, y), state, backend=b)
     assert compiled_entries()
 
@@ -299,10 +302,27 @@ def test_a_dead_loss_function_leaves_no_compiled_step():
         return loss(m, x, y)
 
     ref = weakref.ref(own_loss)
-    ad.train_step(own_loss, model, (x, y), optim.setup(optim.Descent(0.1), model), backend=b)
+    state = optim.setup(optim.Descent(0.1), model)
+    for _ in range(3):
+        state, model, _ = ad.train_step(own_loss, model, (x, y), state, backend=b)
+    assert compiled_entries()
     del own_loss
     gc.collect()
     assert ref() is None, "the compiled step keeps the loss function alive"
+    assert not compiled_entries()
+
+
+def test_a_plan_holds_no_arrays_of_the_step_it_was_made_from():
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+    state = optim.setup(optim.Adam(1e-2), model)
+    state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)  # makes the plan
+    first = weakref.ref(model["layer"]["w"])
+    for _ in range(3):
+        state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)
+    gc.collect()
+    assert first() is None, "a plan keeps the first step's model arrays alive"
 
 
 # ------------------------------------------------------------------ implicit Keras on tensorflow
