@@ -6,10 +6,12 @@ one library call per operation and leaf.  Here the backend's ``compiler`` hook (
 adapter's instance attribute: ``jax.jit``, ``tf.function``, ``mx.compile``) compiles the
 whole step: the gradient, the rule (clipping, scheduled hyperparameters), the new
 parameters and state, and the finite check's total.  The arithmetic is the rule's own
-(:func:`abstractdiff.optim._state._apply`, traced), so the values are today's; only one
-small array comes back to Python per step: the finite total (the ``NonFiniteError``
-check, made before anything is returned or assigned) and the state's Python-number
-leaves (Adam's step count), which stay Python ints in the returned ``OptState``.
+(:func:`abstractdiff.optim._state._apply`, traced), so the values are the op-by-op step's:
+to 1e-12 in float64; in float32 the rule's scalar arithmetic (Adam's ``1 - b2**t``) is
+traced in float32 where the op-by-op step uses Python floats.  Only one small array comes
+back to Python per step: the finite total (the ``NonFiniteError`` check, made before
+anything is returned or assigned) and the state's Python-int leaves (Adam's step count),
+which stay Python ints in the returned ``OptState``.
 
 What the compiled step is keyed on (a step of another form traces again):
 
@@ -23,8 +25,8 @@ What the compiled step is keyed on (a step of another form traces again):
   traced input, so a schedule never costs a trace;
 * the frozen paths; in implicit mode, the variables by identity.
 
-A form's first step runs op by op and its second compiles (a one-off step is not worth a
-trace of the whole step); an equal form compiled before is reused at once.
+Every step of a form is compiled, its first included: whether a step compiled must not
+depend on what ran before it (a resumed run repeats an uninterrupted one bit for bit).
 
 A step compiles only where its form allows it: array leaves of one float dtype (the
 dtype the scheduled values and the state's step counts are traced in), no Python-float
@@ -54,7 +56,7 @@ from ._tree import _function_identity, _weak_callable, is_array
 from .optim._rules import Chain, Rule
 from .optim._state import _check_set_up_for, _weak
 
-__all__ = ["DEFERRED", "CompileFallbackWarning", "compiled_train_step"]
+__all__ = ["CompileFallbackWarning", "compiled_train_step"]
 
 
 class CompileFallbackWarning(UserWarning):
@@ -163,11 +165,6 @@ class _Step(NamedTuple):
     refs: list  # weak references to the loss and the variables, which the key names by id
 
 
-#: what :func:`compiled_train_step` returns for a form's first step: take the op-by-op step,
-#: and do not ask again in this step (a second call would be the form's second step)
-DEFERRED: Any = object()
-
-
 #: the step of a form the library's compiler declined (implicit mode on jax): op by op, silently
 _DECLINED = _Step(_FAILED, None, [], [])  # type: ignore[arg-type]
 
@@ -261,8 +258,8 @@ def compiled_train_step(
     non_finite: Callable[[], Exception], bound: Callable[..., Any] | None = None,
 ) -> Any:
     """The step ``ad.train_step`` takes, as one compiled call: ``(state, model, loss)``, or
-    None where this backend or this step's form does not compile, or :data:`DEFERRED` for a
-    form's first step (the caller then takes the op-by-op step).  ``non_finite()`` is the
+    None where this backend or this step's form does not compile (the caller then takes
+    the op-by-op step).  ``non_finite()`` is the
     error raised when the loss, a gradient or a new value is not finite (nothing is returned
     or assigned).  Implicit mode: ``b`` is the ``ad.Implicit`` backend, ``bound`` the loss
     bound to the model."""
@@ -297,13 +294,11 @@ def compiled_train_step(
             return None
         plans.insert(0, plan)
         del plans[_PLANS_KEPT:]
-        if plan.step is None:
-            return DEFERRED  # a form's first step: op by op (see _plan)
+        if plan.step is None:  # a new form: compile it now
+            plan.step, plan.compile = plan.compile() or _DECLINED, None
     elif plans[0] is not plan:
         plans.remove(plan)
         plans.insert(0, plan)
-    if plan.step is None:  # the form's second step: compile it now
-        plan.step, plan.compile = plan.compile() or _DECLINED, None
     if plan.step.run is _FAILED:
         return None
     ints = [s_leaves[i] for i in plan.scalar_at]
@@ -349,8 +344,7 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
           params: list, state: optim.OptState, defs: tuple, leaves: list, n_m: int, n_s: int) -> _Plan | None:
     """The plan of this form, or None where the form does not compile (see the module
     docstring).  Its compiled step is that of an equal form already compiled, else None
-    until the form's second step (:meth:`_Plan.compile`): a one-off step (a test, a
-    notebook cell) is not worth a trace of the whole step, a loop's second step is."""
+    until :meth:`_Plan.compile` builds it (the caller, at once)."""
     implicit = bound is not None
     m_leaves, s_leaves, b_leaves = leaves[:n_m], leaves[n_m:n_m + n_s], leaves[n_m + n_s:]
     if implicit:

@@ -21,7 +21,7 @@ from . import _pytree as pytree
 from . import optim
 from ._backend import Backend
 from ._cache import WeakLRU
-from ._compiled_step import DEFERRED, compiled_train_step
+from ._compiled_step import compiled_train_step
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
@@ -348,7 +348,7 @@ def train_step(
         if distributed is None:  # the whole step as one compiled call, where the library compiles it
             done = compiled_train_step(b, loss_fn, model, batch, state,
                                        lambda: _non_finite(step, state, model, holding), _BOUND.get(loss_fn, model))
-            if done is not None and done is not DEFERRED:
+            if done is not None:
                 return done
         params = optim.params_of(model)
         loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
@@ -365,11 +365,10 @@ def train_step(
             _broadcast_variables(distributed, _untrained_state(model, params))
         return state, model, loss
     holding = "the error's .model and .state are the values"
-    done = None
     if distributed is None and not state.implicit:  # the whole step as one compiled call, where it compiles
         # (a model with numpy leaves or variables does not: the checks and conversions below)
         done = compiled_train_step(b, loss_fn, model, batch, state, lambda: _non_finite(step, state, model, holding))
-        if done is not None and done is not DEFERRED:
+        if done is not None:
             return done
     if state.implicit or optim.holds_variables(model):
         raise ModeMismatchError(
@@ -381,9 +380,9 @@ def train_step(
     state = state._replace(tree=_convert_tree(b, state.tree))
     if distributed is not None and state.step == 0:
         model = _distributed_start(distributed, model, False, n_rows)
-    if distributed is None and done is None:  # converted now (a deferred form's first step is op by op)
+    if distributed is None:  # converted now
         done = compiled_train_step(b, loss_fn, model, batch, state, lambda: _non_finite(step, state, model, holding))
-        if done is not None and done is not DEFERRED:
+        if done is not None:
             return done
     loss, grads = b.value_and_gradient(loss_fn, model, *batch)
     if distributed is not None:

@@ -55,8 +55,10 @@ def test_sparse_problem(name: str, problem) -> None:
     dense = np.asarray(ad.to_numpy(operator(inner, problem.f, x))).reshape(-1, problem.x.size)
     spy = _Spy(inner)
     prepared = getattr(ad, f"prepare_{problem.kind}")(b, problem.f, x)
-    got = prepared(x)
     plan = prepared.preparation.plan([x], [])
+    for key in [k for k in plan.native if isinstance(k, tuple) and k[:1] == ("compiled",)]:
+        del plan.native[key]  # a compiled call another test traced (plans are shared): trace it again, spied
+    got = prepared(x)
     assert spy.seeds == plan.count, "one compressed product per color"
     assert plan.count < problem.x.size
     if problem.name == "arrowhead":  # star coloring: the hub and the rest (column coloring: n colors)
