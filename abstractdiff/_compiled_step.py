@@ -171,18 +171,21 @@ _DECLINED = _Step(_FAILED, None, [], [])  # type: ignore[arg-type]
 
 class _Plan:
     """One form of step, recognised on the next calls by a few identity and structure tests
-    (the hot path): the rule and frozen paths by identity (both are immutable), the
+    (the hot path): the rule, frozen paths and set-up variables by identity (all immutable,
+    kept by every step's state; a state set up for other variables meets the plan-time
+    check of :func:`_check_set_up_for`), the
     structures, each leaf's type, the static leaves' values and the arrays' dtypes.  A
     miss builds the plan again from the exact key (:func:`_plan`), which finds the compiled
     step of an equal form (a new but equal rule) in :data:`STEPS`."""
 
     __slots__ = ("rule", "frozen", "defs", "types", "static_at", "static_values", "dtype_at", "dtypes",
                  "m_kinds", "s_kinds", "all_dynamic", "scalar_at", "slots", "dtype", "key", "step", "params",
-                 "m_dynamic", "s_dynamic", "b_dynamic", "compile")
+                 "m_dynamic", "s_dynamic", "b_dynamic", "variables")
 
     def matches(self, state: optim.OptState, defs: tuple, leaves: list, params: list) -> bool:
         return (
-            state.rule is self.rule and state.frozen is self.frozen and defs == self.defs
+            state.rule is self.rule and state.frozen is self.frozen and state.variables is self.variables
+            and defs == self.defs
             and tuple(map(type, leaves)) == self.types
             and [leaves[i] for i in self.static_at] == self.static_values
             and [leaves[i].dtype for i in self.dtype_at] == self.dtypes
@@ -280,8 +283,7 @@ def compiled_train_step(
     defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
     plans = STEPS.plans(loss_fn, model, lib, implicit)
     plan = next((p for p in plans if p.matches(state, defs, leaves, params)), None)
-    if plan is None or (plan.step is not None and plan.step.run is not _FAILED
-                        and not plan.step.watch.unchanged(loss_fn)):
+    if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
         m_leaves, m_def = pytree.tree_flatten(model, none_is_leaf=True) if not implicit else ([], None)
@@ -294,8 +296,6 @@ def compiled_train_step(
             return None
         plans.insert(0, plan)
         del plans[_PLANS_KEPT:]
-        if plan.step is None:  # a new form: compile it now
-            plan.step, plan.compile = plan.compile() or _DECLINED, None
     elif plans[0] is not plan:
         plans.remove(plan)
         plans.insert(0, plan)
@@ -343,8 +343,8 @@ def compiled_train_step(
 def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
           params: list, state: optim.OptState, defs: tuple, leaves: list, n_m: int, n_s: int) -> _Plan | None:
     """The plan of this form, or None where the form does not compile (see the module
-    docstring).  Its compiled step is that of an equal form already compiled, else None
-    until :meth:`_Plan.compile` builds it (the caller, at once)."""
+    docstring), with its compiled step: that of an equal form compiled before, else a new
+    one (traced at its first call)."""
     implicit = bound is not None
     m_leaves, s_leaves, b_leaves = leaves[:n_m], leaves[n_m:n_m + n_s], leaves[n_m + n_s:]
     if implicit:
@@ -386,27 +386,19 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         [a if k == _STATIC else None for a, k in zip(part, kinds_of)]
         for part, kinds_of in ((m_leaves, m_kinds), (s_leaves, s_kinds), (b_leaves, b_kinds)))
 
-    shell = state._replace(tree=None, implicit=False)  # the rule, frozen paths and variables, not the arrays
-    loss_ref, bound_ref, model_ref = _weak_callable(loss_fn), _weak(bound), _weak(model)  # the plan's owners
-
-    def compile_() -> _Step | None:
-        """The compiled step of this form (traced at its first call), or None where the
-        library's compiler declines it."""
-        fn = loss_ref()
-        if fn is None:
-            return None
-        body = _body(b, fn, bound_ref(), model_ref() if implicit else None, m_leaves, m_def, m_kinds, s_leaves,
-                     s_def, s_kinds, b_leaves, b_def, b_kinds, shell, rule_at, slots, dtype)
+    if step is None:
+        shell = state._replace(tree=None, implicit=False)  # the rule, frozen paths and variables, not the arrays
+        body = _body(b, loss_fn, bound, model if implicit else None, m_leaves, m_def, m_kinds, s_leaves, s_def,
+                     s_kinds, b_leaves, b_def, b_kinds, shell, rule_at, slots, dtype)
         run = compiler(body, implicit)
         if run is None:
-            return None
-        new = _Step(run, CaptureWatch(fn), [shell.rule, *alive], STEPS.weak(key, [*_function_identity(fn), *params]))
-        STEPS.put(key, new)
-        return new
-
+            step = _DECLINED
+        else:
+            step = _Step(run, CaptureWatch(loss_fn), [state.rule, *alive], STEPS.weak(key, [*identity, *params]))
+            STEPS.put(key, step)
     plan = _Plan()
-    plan.compile = compile_
-    plan.rule, plan.frozen, plan.defs, plan.key, plan.step = state.rule, state.frozen, defs, key, step
+    plan.rule, plan.frozen, plan.variables, plan.defs, plan.key, plan.step = (
+        state.rule, state.frozen, state.variables, defs, key, step)
     plan.types = tuple(map(type, leaves))
     plan.static_at = [i for i, k in enumerate(kinds) if k == _STATIC]
     plan.static_values = [leaves[i] for i in plan.static_at]

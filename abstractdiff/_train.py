@@ -144,8 +144,12 @@ def _inner(b: Backend) -> Backend:
 
 
 def _convert_tree(b: Backend, tree: Any) -> Any:
-    """Numpy (or other foreign) array leaves as ``b``'s native arrays; everything else as is."""
-    return pytree.tree_map(lambda a: b.convert(a) if is_array(a) and not b.is_native(a) else a, tree)
+    """Numpy (or other foreign) array leaves as ``b``'s native arrays; everything else as is.
+    ``tree`` itself where no leaf needs converting."""
+    leaves, treedef = pytree.tree_flatten(tree)
+    if not any(is_array(a) and not b.is_native(a) for a in leaves):
+        return tree
+    return treedef.unflatten([b.convert(a) if is_array(a) and not b.is_native(a) else a for a in leaves])
 
 
 class _Bound:
@@ -365,6 +369,7 @@ def train_step(
             _broadcast_variables(distributed, _untrained_state(model, params))
         return state, model, loss
     holding = "the error's .model and .state are the values"
+    given = model
     if distributed is None and not state.implicit:  # the whole step as one compiled call, where it compiles
         # (a model with numpy leaves or variables does not: the checks and conversions below)
         done = compiled_train_step(b, loss_fn, model, batch, state, lambda: _non_finite(step, state, model, holding))
@@ -376,11 +381,12 @@ def train_step(
             f"but {b!r} is explicit; use ad.Implicit({b.name!r}) to train variables in place, or "
             f"pass a pytree of arrays as the model and set the state up for it"
         )
-    model = _convert_tree(b, model)
-    state = state._replace(tree=_convert_tree(b, state.tree))
+    model, tree = _convert_tree(b, model), _convert_tree(b, state.tree)
+    converted = model is not given or tree is not state.tree
+    state = state._replace(tree=tree)
     if distributed is not None and state.step == 0:
         model = _distributed_start(distributed, model, False, n_rows)
-    if distributed is None:  # converted now
+    if distributed is None and converted:  # the form may compile now that its leaves are native
         done = compiled_train_step(b, loss_fn, model, batch, state, lambda: _non_finite(step, state, model, holding))
         if done is not None:
             return done

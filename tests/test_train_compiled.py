@@ -26,18 +26,14 @@ def backend(name: str, options: dict):
     return ad.backend(name, **options)
 
 
-@pytest.fixture
-def op_by_op(monkeypatch):
-    """A context that turns the whole-step compilation off (the reference path)."""
+class cs_off:
+    """The whole-step compilation off (the reference path), as a context."""
 
-    class Switch:
-        def __enter__(self):
-            monkeypatch.setattr(cs, "_compiler", lambda b: None)
+    def __enter__(self):
+        self.saved, cs._compiler = cs._compiler, lambda b: None
 
-        def __exit__(self, *exc):
-            monkeypatch.undo()
-
-    return Switch()
+    def __exit__(self, *exc):
+        cs._compiler = self.saved
 
 
 def _convert(b, tree, dtype):
@@ -103,14 +99,14 @@ VALUE_CASES = [
 
 
 @pytest.mark.parametrize("name,options,rule,dtype", VALUE_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in VALUE_CASES])
-def test_a_compiled_step_gives_the_op_by_op_values(name, options, rule, dtype, op_by_op):
+def test_a_compiled_step_gives_the_op_by_op_values(name, options, rule, dtype):
     b = backend(name, options)
     cs.STEPS.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ad.CompileFallbackWarning)  # it did compile
         state, model, losses = run_steps(b, RULES[rule](), dtype)
     assert compiled_entries(), "the step did not compile"
-    with op_by_op:
+    with cs_off():
         want_state, want_model, want_losses = run_steps(b, RULES[rule](), dtype)
     tol = 1e-12 if dtype == "float64" else 3e-5  # float32: the rule's scalars are traced in float32
     np.testing.assert_allclose(losses, want_losses, rtol=tol, atol=tol)
@@ -157,14 +153,6 @@ def test_a_changed_global_the_loss_reads_is_seen():
         _, want, _ = ad.train_step(scaled, model, (x, y), state, backend=b)
     for got, w in zip(leaves(new_model), leaves(want)):
         np.testing.assert_allclose(got, w, rtol=1e-12)
-
-
-class cs_off:
-    def __enter__(self):
-        self.saved, cs._compiler = cs._compiler, lambda b: None
-
-    def __exit__(self, *exc):
-        cs._compiler = self.saved
 
 
 def test_an_adjusted_hyperparameter_is_not_a_stale_constant():
@@ -337,7 +325,7 @@ def keras_tf():
     return tf, keras
 
 
-def test_an_implicit_keras_step_compiles_as_one_tf_function(keras_tf, op_by_op):
+def test_an_implicit_keras_step_compiles_as_one_tf_function(keras_tf):
     tf, keras = keras_tf
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((32, 4)).astype("float32"), rng.standard_normal((32, 1)).astype("float32")
@@ -361,7 +349,7 @@ def test_an_implicit_keras_step_compiles_as_one_tf_function(keras_tf, op_by_op):
         warnings.simplefilter("error", ad.CompileFallbackWarning)
         state, model = fit()
     assert compiled_entries()
-    with op_by_op:
+    with cs_off():
         want_state, want = fit()
     for v, w in zip(model.trainable_variables, want.trainable_variables):
         np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=3e-5, atol=3e-5)
@@ -372,3 +360,27 @@ def test_an_implicit_keras_step_compiles_as_one_tf_function(keras_tf, op_by_op):
         ad.train_step(mse, model, (x, np.full_like(y, np.nan)), state, backend=ad.Implicit("tensorflow"))
     for v, b in zip(model.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
+
+
+def test_a_state_set_up_for_other_variables_is_refused_after_compiled_steps(keras_tf):
+    tf, keras = keras_tf
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 4)).astype("float32"), rng.standard_normal((16, 1)).astype("float32")
+
+    def make():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+
+    def mse(model, x, y):
+        return keras.ops.mean((model(x) - y) ** 2)
+
+    rule, b = optim.Adam(1e-2), ad.Implicit("tensorflow")
+    first, second = make(), make()
+    mine, other = optim.setup(rule, first), optim.setup(rule, second)  # one rule object, two set-ups
+    for _ in range(2):
+        mine, first, _ = ad.train_step(mse, first, (x, y), mine, backend=b)  # compiled, the plan made
+    assert compiled_entries()
+    before = [v.numpy().copy() for v in first.trainable_variables]
+    with pytest.raises(ad.UnknownVariableError, match="not the variable the optimiser state was set up for"):
+        ad.train_step(mse, first, (x, y), other, backend=b)
+    for v, was in zip(first.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), was)
