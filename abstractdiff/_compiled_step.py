@@ -52,6 +52,7 @@ from . import _pytree as pytree
 from . import optim
 from ._cache import LRU, WeakLRU, value_key
 from ._captures import CaptureWatch
+from ._implicit import model_variables
 from ._tree import _function_identity, _weak_callable, is_array
 from .optim._rules import Chain, Rule
 from .optim._state import _check_set_up_for, _weak
@@ -252,6 +253,14 @@ _PLANS_KEPT = 4  # forms per loss function and backend (a last, smaller batch is
 _flatten_known = optree.tree_flatten
 
 
+def _variables(model: Any) -> list:
+    """The variables an implicit step trains, for recognising its plan: a library's model's
+    trainable variables as its library lists them (a plan made from them checked them as
+    ``ad.Params`` does; any other list misses the plan, which then takes ``ad.Params``)."""
+    found = None if optim._is_params(model) else model_variables(model)
+    return list(found[0]) if found is not None else list(optim.params_of(model))
+
+
 def _compiler(b: Any) -> Callable[..., Any] | None:
     return getattr(b, "compiler", None)
 
@@ -273,7 +282,7 @@ def compiled_train_step(
         return None
     flatten = _flatten_known  # the hot path's: a container type not yet discovered misses the plan
     if implicit:
-        params = list(optim.params_of(model))
+        params = _variables(model)
         m_leaves, m_def = [], None
     else:
         params = []
@@ -286,6 +295,7 @@ def compiled_train_step(
     if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
+        params = list(optim.params_of(model)) if implicit else []  # checked, as op by op
         m_leaves, m_def = pytree.tree_flatten(model, none_is_leaf=True) if not implicit else ([], None)
         s_leaves, s_def = pytree.tree_flatten(state.tree, none_is_leaf=True)
         b_leaves, b_def = pytree.tree_flatten(batch, none_is_leaf=True)

@@ -568,12 +568,13 @@ def _fused(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list, order:
     the check that they are zero outside the pattern, and the decompression (a gather of each
     nonzero from where it lies alone), so one small array comes back per call instead of every
     compressed product.  ``None`` where there is no compiler, the backend approximates, the
-    decompression needs substitution (acyclic colorings, solved in numpy) or the inputs are
-    not the inner backend's arrays; also where the compiled check finds a nonzero outside the
-    pattern, so that the step-by-step route raises its error, which says where."""
+    decompression needs substitution (acyclic colorings, solved in numpy), the pattern is
+    empty (no product to compute) or the inputs are not the inner backend's arrays; also where
+    the compiled check finds a nonzero outside the pattern, so that the step-by-step route
+    raises its error, which says where."""
     inner = sparse.inner
     compiler = getattr(inner, "compiler", None)
-    if compiler is None or plan.index is None or approximates(inner, order) or not all(
+    if compiler is None or plan.index is None or not plan.index.size or approximates(inner, order) or not all(
             inner.is_native(a) for a in xs):
         return None
     key = ("compiled", order, _signature(xs), _signature([a for a in data if inner.is_native(a)]))

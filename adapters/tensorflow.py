@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 import optree
@@ -27,6 +27,7 @@ from tensorflow.python.eager import record as _record  # recording ops on tapes 
 import abstractdiff._operators
 from abstractdiff._arrays import check_scalar, signature
 from abstractdiff._backend import OPERATOR_METHODS, AdapterBackend
+from abstractdiff._cache import LRU
 from abstractdiff._compose import ForeignKernel
 from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import (
@@ -153,6 +154,17 @@ def _abstractdiff_error(err: BaseException) -> BaseException | None:
     return None
 
 
+def _raise_ours(err: BaseException, traced: bool = False) -> NoReturn:
+    """Raise for ``err``, caught from a compiled call: ours as itself (autograph or pfor wrap
+    it), what only tracing causes (``traced``) as :func:`_traced_value_error`, else ``err``."""
+    if traced and (mapped := _traced_value_error(err)) is not None:
+        raise mapped from err
+    ours = _abstractdiff_error(err)
+    if ours is None or ours is err:
+        raise err
+    raise ours from None
+
+
 def _graph_boundary(outputs: list, grad: Callable) -> Callable:
     """A custom rule's ``outputs`` as a ``tf.custom_gradient`` of its inputs whose gradient is
     ``grad``: the graph's own gradient (IdentityN), for the symbolic gradients of a
@@ -168,11 +180,7 @@ def _graph_boundary(outputs: list, grad: Callable) -> Callable:
 def _differentiated(x: Any) -> bool:
     """Whether a tape or a forward accumulator is watching ``x`` now (TensorFlow's own test
     for whether a function's gradient may be differentiated again)."""
-    try:
-        from tensorflow.python.ops.gradients_util import PossibleTapeGradientTypes
-    except ImportError:  # a TensorFlow without it: assume it may be
-        return True
-    return PossibleTapeGradientTypes([x]) != 0
+    return pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes([x]) != 0
 
 
 def _refusal(kernel: Any, watched: bool) -> CompositionError:
@@ -235,8 +243,7 @@ class _Variables:
     def write(self, var: Any, value: Any) -> None:
         var.assign(value)
 
-    def current_value(self, var: Any) -> Any:
-        return var.read_value()  # recorded on the tape
+    current_value = read  # read_value is recorded on the tape
 
     def new_variable(self, value: Any) -> Any:
         return tf.Variable(value)
@@ -281,9 +288,8 @@ class _Loops:
     def fori_loop(self, lower: int, upper: int, body: Callable, init: list) -> Any:
         if not _graph_loop(init):
             return NotImplemented
-        init = [tf.convert_to_tensor(c) for c in init]
+        loop = (tf.constant(lower), [tf.convert_to_tensor(c) for c in init])
         step = lambda i, c: (i + 1, _typed(body(i, list(c)), c))  # noqa: E731
-        loop = (tf.constant(lower), init)
         return tf.while_loop(lambda i, _: i < upper, step, loop, maximum_iterations=upper - lower)[1]
 
     def scan(self, f: Callable, init: list, xs: list, length: int) -> Any:
@@ -333,19 +339,47 @@ class TensorFlowAdapter(Adapter):
         self.compiler = self._compiler if compile else None  # whole train_steps, sparse calls: a tf.function
 
     def _compiler(self, step: Callable, assigns_variables: bool = False) -> Callable:
-        compiled = tf.function(step, autograph=False)  # a graph assigns tf.Variables (and Keras 3 variables) itself
+        # A graph assigns tf.Variables (and Keras 3 variables) itself.  One concrete function
+        # per signature (each group's length, each tensor's dtype and shape: all the trace
+        # depends on besides what the caller keys), called flat: tf.function's own dispatch
+        # costs ~20 us per tensor argument, and a whole step's state is dozens of tensors.
+        # XLA (jit_compile) fuses the step's elementwise passes; a graph XLA cannot compile
+        # (an op without an XLA kernel) fails at its first call, before it runs, and runs
+        # as a plain graph from then on.
+        concrete: LRU[tuple, list] = LRU(16)  # signature -> [concrete function, whether it ran]
 
-        def run(*args: Any) -> Any:
-            with tf.device(self.tf_device):
-                return compiled(*args)
+        def run(*groups: Any) -> Any:
+            sizes = tuple(len(g) if isinstance(g, list) else -1 for g in groups)
+            flat = [a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
+                    for g in groups for a in (g if isinstance(g, list) else (g,))]
+            key = (sizes, *((t.dtype, tuple(t.shape)) for t in flat))
+            entry = concrete.get_or_build(key, lambda: [self._concrete(step, sizes, flat, True), False])
+            try:  # (the call's public form would re-parse its arguments)
+                out = entry[0]._call_flat(flat, entry[0].captured_inputs)
+            except tf.errors.OpError:  # XLA cannot compile it (a real error is raised again below)
+                if entry[1]:
+                    raise
+                entry[0] = self._concrete(step, sizes, flat, False)
+                out = entry[0]._call_flat(flat, entry[0].captured_inputs)
+            entry[1] = True
+            return out
 
         return run
 
+    def _concrete(self, step: Callable, sizes: tuple, flat: list, xla: bool) -> Any:
+        bounds = np.cumsum([0, *(n if n >= 0 else 1 for n in sizes)]).tolist()
+
+        def traced(*flat: Any) -> Any:
+            with tf.device(self.tf_device):  # baked into the graph at trace time
+                return step(*(list(flat[a:b]) if n >= 0 else flat[a] for n, a, b in zip(sizes, bounds, bounds[1:])))
+
+        specs = map(tf.TensorSpec.from_tensor, flat)
+        return tf.function(traced, autograph=False, jit_compile=xla).get_concrete_function(*specs)
+
     # ---------------------------------------------------------------- devices
     def devices(self) -> list[str]:
-        gpus = [d for d in tf.config.list_logical_devices() if d.device_type == "GPU"]
         # canonical names: TensorFlow's GPU builds run on CUDA, so its "/GPU:N" is "cuda:N"
-        return ["cpu"] + [f"cuda:{i}" for i in range(len(gpus))]
+        return ["cpu"] + [f"cuda:{i}" for i in range(len(tf.config.list_logical_devices("GPU")))]
 
     # ---------------------------------------------------------------- arrays
     def is_native(self, a: Any) -> bool:
@@ -394,12 +428,7 @@ class TensorFlowAdapter(Adapter):
         try:
             return self._run_body(fn, kind, body, *groups)
         except Exception as err:
-            # autograph (tf.function, pfor) rewraps an error it cannot rebuild in a
-            # StagingError: our own errors come out as themselves
-            ours = _abstractdiff_error(err)
-            if ours is None or ours is err:
-                raise
-            raise ours from None
+            _raise_ours(err)  # autograph rewraps an error it cannot rebuild in a StagingError
 
     def _run_body(self, fn: Any, kind: str, body: Callable, *groups: list) -> tuple:
         if not (self.compile and tf.executing_eagerly()):
@@ -421,10 +450,7 @@ class TensorFlowAdapter(Adapter):
                 store.put("eager", True)
                 with tf.device(self.tf_device):
                     return body(fn, *groups)
-            mapped = _traced_value_error(err)
-            if mapped is None:
-                raise
-            raise mapped from err
+            _raise_ours(err, traced=True)
         if not getattr(fn, "has_aux", True):
             return outputs, None
         # tf.function can only return tensors: aux's other leaves (ints, strings,
@@ -459,9 +485,6 @@ class TensorFlowAdapter(Adapter):
                 raise
             raise mixed from err
         return tf.convert_to_tensor(y), aux
-
-    def _value(self, fn: Any, xs: list, data: list) -> tuple:
-        return self._call(fn, xs, data)
 
     def _gradient(self, fn: Any, xs: list, data: list) -> tuple:
         with tf.GradientTape() as tape:
@@ -620,7 +643,7 @@ class TensorFlowAdapter(Adapter):
             return y, aux, vjp
         # Compiled: tf.function cannot hand back a tape, so each pullback reruns f
         # with its tape inside one compiled call.
-        y, aux = self._run(fn, "value", self._value, xs, data)
+        y, aux = self._run(fn, "value", self._call, xs, data)
 
         def compiled_vjp(dy: Any) -> list:
             return self._run(fn, "vjp", self._vjp, xs, data, [dy])[0]
@@ -628,7 +651,7 @@ class TensorFlowAdapter(Adapter):
         return y, aux, compiled_vjp
 
     def value_and_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
-        y, aux = self._run(fn, "value", self._value, xs, data)
+        y, aux = self._run(fn, "value", self._call, xs, data)
 
         def jvp(ts: list) -> Any:
             return self._run(fn, "jvp", self._jvp, xs, data, ts)[0]
@@ -640,7 +663,7 @@ class TensorFlowAdapter(Adapter):
     def value_and_batched_pullback(self, fn: Any, xs: list, data: list) -> tuple:
         if not self.compile and tf.executing_eagerly():
             return DerivedOperators.flat_value_and_batched_pullback(self.backend, fn, xs, data)
-        y, aux = self._run(fn, "value", self._value, xs, data)
+        y, aux = self._run(fn, "value", self._call, xs, data)
 
         def vjps(dys: Any) -> list:
             return list(self._run(fn, "batched vjp", self._batched_vjp, xs, data, [dys])[0])
@@ -650,7 +673,7 @@ class TensorFlowAdapter(Adapter):
     def value_and_batched_pushforward(self, fn: Any, xs: list, data: list) -> tuple:
         if not self.compile and tf.executing_eagerly():
             return DerivedOperators.flat_value_and_batched_pushforward(self.backend, fn, xs, data)
-        y, aux = self._run(fn, "value", self._value, xs, data)
+        y, aux = self._run(fn, "value", self._call, xs, data)
 
         def jvps(ts: list) -> Any:
             return self._run(fn, "batched jvp", self._batched_jvp, xs, data, list(ts))[0]
@@ -694,9 +717,8 @@ class TensorFlowAdapter(Adapter):
         compiled = tf.function(call, input_signature=specs, autograph=False)
 
         def checked(x: Any, *rest: Any) -> Any:
-            extra, args = rest[:offset], rest[offset:]
-            xs, data = signature.check(x, args)
-            return preparation.run(xs, data, *extra)
+            xs, data = signature.check(x, rest[offset:])
+            return preparation.run(xs, data, *rest[:offset])
 
         eager_only = False  # f calls a foreign kernel whose forward mode works eagerly only
 
@@ -725,21 +747,12 @@ class TensorFlowAdapter(Adapter):
         compiled, _ = store.get(("tf.function", sizes), lambda: self._compiled(fn, self._jacobian_only, sizes))
 
         def run(xs: list, data: list) -> list:
-            if not tf.executing_eagerly():
+            if not tf.executing_eagerly() or len(xs) + len(data) != sum(sizes):  # (another signature)
                 return general(xs, data)
             try:
-                if len(xs) + len(data) != sum(sizes):  # another signature: the general route
-                    return general(xs, data)
-                jacs, _ = compiled(*xs, *data)
+                return list(compiled(*xs, *data)[0])
             except Exception as err:
-                mapped = _traced_value_error(err)
-                if mapped is None:
-                    ours = _abstractdiff_error(err)  # a custom rule's refusal, which pfor wraps
-                    if ours is None or ours is err:
-                        raise
-                    raise ours from None
-                raise mapped from err
-            return list(jacs)
+                _raise_ours(err, traced=True)  # (a custom rule's refusal, which pfor wraps)
 
         return run
 

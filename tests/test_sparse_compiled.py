@@ -4,6 +4,7 @@ step-by-step route and dense results, traced once, and with the step-by-step rou
 
 from __future__ import annotations
 
+import autoray as ar
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -114,3 +115,18 @@ def test_substitution_and_approximate_backends_take_the_step_by_step_route():
     fd = ad.prepare_jacobian(ad.Sparse("finite_differences"), laplacian_residual, np.ones(16))
     fd(np.ones(16))
     assert not compiled_keys(fd.preparation.plan([np.ones(16)], []))
+
+
+@pytest.mark.parametrize("name,options", COMPILING, ids=IDS)
+def test_an_empty_pattern_gives_an_all_zero_matrix(name, options):
+    # a linear function's Hessian has no nonzero: nothing to compress or gather (found by
+    # hypothesis in test_properties: the compiled call's index was empty)
+    b = inner(name, options)
+    dtype = "float32" if name == "mlx" else "float64"
+    x = point(b, 5, dtype)
+    def linear(v):
+        return ar.do("sum", v * 2.0)
+
+    for op in (ad.hessian, ad.prepare_hessian(ad.Sparse(b), linear, x)):
+        got = op(ad.Sparse(b), linear, x) if op is ad.hessian else op(x)
+        assert isinstance(got, sp.csr_matrix) and got.shape == (5, 5) and got.nnz == 0
