@@ -352,7 +352,7 @@ class TensorFlowAdapter(Adapter):
             sizes = tuple(len(g) if isinstance(g, list) else -1 for g in groups)
             flat = [a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
                     for g in groups for a in (g if isinstance(g, list) else (g,))]
-            key = (sizes, *((t.dtype, tuple(t.shape)) for t in flat))
+            key = (sizes, signature(flat))
             entry = concrete.get_or_build(key, lambda: [self._concrete(step, sizes, flat, True), False])
             try:  # (the call's public form would re-parse its arguments)
                 out = entry[0]._call_flat(flat, entry[0].captured_inputs)
