@@ -174,19 +174,21 @@ class _Plan:
     """One form of step, recognised on the next calls by a few identity and structure tests
     (the hot path): the rule, frozen paths and set-up variables by identity (all immutable,
     kept by every step's state; a state set up for other variables meets the plan-time
-    check of :func:`_check_set_up_for`), the
-    structures, each leaf's type, the static leaves' values and the arrays' dtypes.  A
+    check of :func:`_check_set_up_for`), the structure of ``(model, state, batch)`` (one
+    flatten), each leaf's type, the static leaves' values and the model arrays' dtypes.  A
     miss builds the plan again from the exact key (:func:`_plan`), which finds the compiled
-    step of an equal form (a new but equal rule) in :data:`STEPS`."""
+    step of an equal form (a new but equal rule) in :data:`STEPS`.
 
-    __slots__ = ("rule", "frozen", "defs", "types", "static_at", "static_values", "dtype_at", "dtypes",
-                 "m_kinds", "s_kinds", "all_dynamic", "scalar_at", "slots", "dtype", "key", "step", "params",
-                 "m_dynamic", "s_dynamic", "b_dynamic", "variables")
+    Leaf positions (``*_at``) index the leaves of the whole ``(model, state, batch)``."""
 
-    def matches(self, state: optim.OptState, defs: tuple, leaves: list, params: list) -> bool:
+    __slots__ = ("rule", "frozen", "variables", "whole_def", "types", "static_at", "static_values", "dtype_at",
+                 "dtypes", "params", "m_def", "s_def", "m_kinds", "s_kinds", "n_m", "n_s", "m_at", "s_at", "b_at",
+                 "scalar_at", "all_dynamic", "slots", "dtype", "key", "step", "last")
+
+    def matches(self, state: optim.OptState, whole_def: Any, leaves: list, params: list) -> bool:
         return (
             state.rule is self.rule and state.frozen is self.frozen and state.variables is self.variables
-            and defs == self.defs
+            and whole_def == self.whole_def
             and tuple(map(type, leaves)) == self.types
             and [leaves[i] for i in self.static_at] == self.static_values
             and [leaves[i].dtype for i in self.dtype_at] == self.dtypes
@@ -280,52 +282,48 @@ def compiled_train_step(
     compiler = _compiler(lib)
     if compiler is None:
         return None
-    flatten = _flatten_known  # the hot path's: a container type not yet discovered misses the plan
+    # the hot path: one flatten of everything the step reads (a container type not yet
+    # discovered misses the plan, whose flatten discovers it)
     if implicit:
-        params = _variables(model)
-        m_leaves, m_def = [], None
+        params, whole = _variables(model), (state.tree, batch)
     else:
-        params = []
-        m_leaves, m_def = flatten(model, none_is_leaf=True, namespace=pytree.NAMESPACE)
-    s_leaves, s_def = flatten(state.tree, none_is_leaf=True, namespace=pytree.NAMESPACE)
-    b_leaves, b_def = flatten(batch, none_is_leaf=True, namespace=pytree.NAMESPACE)
-    defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
+        params, whole = [], (model, state.tree, batch)
+    leaves, whole_def = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)
     plans = STEPS.plans(loss_fn, model, lib, implicit)
-    plan = next((p for p in plans if p.matches(state, defs, leaves, params)), None)
+    plan = next((p for p in plans if p.matches(state, whole_def, leaves, params)), None)
     if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
         params = list(optim.params_of(model)) if implicit else []  # checked, as op by op
-        m_leaves, m_def = pytree.tree_flatten(model, none_is_leaf=True) if not implicit else ([], None)
-        s_leaves, s_def = pytree.tree_flatten(state.tree, none_is_leaf=True)
-        b_leaves, b_def = pytree.tree_flatten(batch, none_is_leaf=True)
-        defs, leaves = (m_def, s_def, b_def), [*m_leaves, *s_leaves, *b_leaves]
-        plan = _plan(b, lib, compiler, loss_fn, bound, model, params, state, defs, leaves, len(m_leaves),
-                     len(s_leaves))
+        plan = _plan(b, lib, compiler, loss_fn, bound, model, params, state, batch)
         if plan is None:
             return None
         plans.insert(0, plan)
         del plans[_PLANS_KEPT:]
+        leaves = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)[0]
     elif plans[0] is not plan:
         plans.remove(plan)
         plans.insert(0, plan)
     if plan.step.run is _FAILED:
         return None
-    ints = [s_leaves[i] for i in plan.scalar_at]
+    ints = [leaves[i] for i in plan.scalar_at]
     if ints and max(map(abs, ints)) >= _EXACT_BELOW[plan.dtype]:
         return None
-    # every number in one numpy array (the hook's library moves it, as part of the call)
+    # the numbers, each group in one array of the step's dtype: the state's Python ints,
+    # after a slot for the finite total, and the scheduled values.  The ints are most often
+    # those the last step of this plan reported, whose report is still on the device: it
+    # goes in as it is (moving a numpy array to the device costs more than the step's
+    # arithmetic on a small model)
+    numbers = []
+    if ints:
+        last = plan.last
+        numbers.append(last[1] if last is not None and last[0] == ints else np.asarray([0, *ints], dtype=plan.dtype))
     if plan.slots:
         hyper = _scheduled_values(state.rule.at(state.step), plan.slots)  # checked, as op by op
-        numbers = np.asarray([*hyper, *ints], dtype=plan.dtype)
-    else:
-        numbers = np.asarray(ints, dtype=plan.dtype)
-    m_kinds, s_kinds = plan.m_kinds, plan.s_kinds
+        numbers.append(np.asarray(hyper, dtype=plan.dtype))
     try:
-        loss, report, new_m, new_s = plan.step.run(
-            [m_leaves[i] for i in plan.m_dynamic], [s_leaves[i] for i in plan.s_dynamic], numbers,
-            [b_leaves[i] for i in plan.b_dynamic],
-        )
+        loss, on_device, new_m, new_s = plan.step.run(
+            [leaves[i] for i in plan.m_at], [leaves[i] for i in plan.s_at], [leaves[i] for i in plan.b_at], *numbers)
     except Exception as err:  # noqa: BLE001 - a form the library cannot trace: op by op from now on
         failed = plan.step._replace(run=_FAILED)
         STEPS.put(plan.key, failed)
@@ -338,25 +336,36 @@ def compiled_train_step(
             CompileFallbackWarning, stacklevel=3,
         )
         return None
-    report = lib.to_numpy(report)  # the one synchronisation
+    # what needs no number from the device is built while the library computes (a thread
+    # that waits from the moment it dispatched is woken later than one that was busy)
+    n_m = plan.n_m
+    if implicit:
+        new_model = model
+    else:
+        new_leaves = new_m if plan.all_dynamic else _fill(leaves[:n_m], plan.m_kinds, new_m, [])
+        new_model = pytree.tree_unflatten(plan.m_def, new_leaves)
+    report = lib.to_numpy(on_device)  # the one synchronisation
     if not report[0] == 0:
         raise non_finite()
     counts = report[1:].astype(np.int64).tolist()  # exact: integers below _EXACT_BELOW
-    new_tree = pytree.tree_unflatten(s_def, _fill(s_leaves, s_kinds, new_s, counts))
-    new_state = state._replace(step=state.step + 1, tree=new_tree, implicit=implicit)
-    if implicit:
-        return new_state, model, loss
-    new_leaves = new_m if plan.all_dynamic else _fill(m_leaves, m_kinds, new_m, [])
-    return new_state, pytree.tree_unflatten(m_def, new_leaves), loss
+    plan.last = (counts, on_device) if ints else None
+    new_tree = pytree.tree_unflatten(plan.s_def, _fill(leaves[n_m:n_m + plan.n_s], plan.s_kinds, new_s, counts))
+    return state._replace(step=state.step + 1, tree=new_tree, implicit=implicit), new_model, loss
 
 
 def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
-          params: list, state: optim.OptState, defs: tuple, leaves: list, n_m: int, n_s: int) -> _Plan | None:
+          params: list, state: optim.OptState, batch: tuple) -> _Plan | None:
     """The plan of this form, or None where the form does not compile (see the module
     docstring), with its compiled step: that of an equal form compiled before, else a new
     one (traced at its first call)."""
     implicit = bound is not None
-    m_leaves, s_leaves, b_leaves = leaves[:n_m], leaves[n_m:n_m + n_s], leaves[n_m + n_s:]
+    # each part flattened on its own (the body rebuilds each), discovering container types
+    m_leaves, m_def = ([], None) if implicit else pytree.tree_flatten(model, none_is_leaf=True)
+    s_leaves, s_def = pytree.tree_flatten(state.tree, none_is_leaf=True)
+    b_leaves, b_def = pytree.tree_flatten(batch, none_is_leaf=True)
+    leaves = [*m_leaves, *s_leaves, *b_leaves]
+    whole = (state.tree, batch) if implicit else (model, state.tree, batch)
+    whole_def = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)[1]  # the hot path's
     if implicit:
         # only the library's own variables: the compiled step assigns them (an ad.Variable
         # box would be given a traced value)
@@ -378,10 +387,9 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     kinds = [*m_kinds, *s_kinds, *b_kinds]
     slots = _scheduled_slots(state.rule)
     alive: list[Any] = []
-    m_def, s_def, b_def = defs
     identity = _function_identity(loss_fn)  # a bound method: its function and object (new per access)
     key = (
-        lib, tuple(map(id, identity)), implicit, dtype, defs, tuple(kinds),
+        lib, tuple(map(id, identity)), implicit, dtype, whole_def, tuple(kinds),
         tuple(value_key(a, alive) for a, k in zip(leaves, kinds) if k == _STATIC),
         _rule_key(state.rule, alive), state.frozen.paths, tuple(map(id, params)),
     )
@@ -406,9 +414,10 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         else:
             step = _Step(run, CaptureWatch(loss_fn), [state.rule, *alive], STEPS.weak(key, [*identity, *params]))
             STEPS.put(key, step)
+    n_m, n_s = len(m_leaves), len(s_leaves)
     plan = _Plan()
-    plan.rule, plan.frozen, plan.variables, plan.defs, plan.key, plan.step = (
-        state.rule, state.frozen, state.variables, defs, key, step)
+    plan.rule, plan.frozen, plan.variables, plan.whole_def, plan.key, plan.step = (
+        state.rule, state.frozen, state.variables, whole_def, key, step)
     plan.types = tuple(map(type, leaves))
     plan.static_at = [i for i, k in enumerate(kinds) if k == _STATIC]
     plan.static_values = [leaves[i] for i in plan.static_at]
@@ -416,33 +425,38 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     # the batch's are the library's own cache key)
     plan.dtype_at = [i for i, k in enumerate(m_kinds) if k == _DYNAMIC]
     plan.dtypes = [leaves[i].dtype for i in plan.dtype_at]
-    plan.m_kinds, plan.s_kinds, plan.slots, plan.dtype = m_kinds, s_kinds, slots, dtype
-    plan.scalar_at = [i for i, k in enumerate(s_kinds) if k == _SCALAR]
-    plan.params = params
+    plan.params, plan.m_def, plan.s_def, plan.m_kinds, plan.s_kinds = params, m_def, s_def, m_kinds, s_kinds
+    plan.n_m, plan.n_s, plan.slots, plan.dtype = n_m, n_s, slots, dtype
+    plan.m_at, plan.s_at, plan.b_at = (
+        [start + i for i, k in enumerate(part) if k == _DYNAMIC]
+        for start, part in ((0, m_kinds), (n_m, s_kinds), (n_m + n_s, b_kinds)))
+    plan.scalar_at = [n_m + i for i, k in enumerate(s_kinds) if k == _SCALAR]
     plan.all_dynamic = all(k == _DYNAMIC for k in m_kinds)
-    plan.m_dynamic, plan.s_dynamic, plan.b_dynamic = (
-        [i for i, k in enumerate(part) if k == _DYNAMIC] for part in (m_kinds, s_kinds, b_kinds))
+    plan.last = None  # (the Python ints the last step reported, its report on the device)
     return plan
 
 
 def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves: list, m_def: Any, m_kinds: list,
           s_leaves: list, s_def: Any, s_kinds: list, b_leaves: list, b_def: Any, b_kinds: list,
           shell: optim.OptState, rule_at: Rule, slots: list, dtype: str) -> Callable[..., tuple]:
-    """The step as a function of its traced inputs: ``(model arrays, state arrays, numbers,
-    batch arrays) -> (loss, report, new model arrays, new state arrays)``, ``numbers`` being
-    the scheduled values then the Python-int state leaves, in one array of the step's
-    dtype; ``report`` is the finite total followed by the new Python-int state leaves."""
+    """The step as a function of its traced inputs: ``(model arrays, state arrays, batch
+    arrays, *numbers) -> (loss, report, new model arrays, new state arrays)``; ``report`` is
+    the finite total followed by the new Python-int state leaves, in one array of the
+    step's dtype.  ``numbers``: where the state has Python-int leaves, an array laid out as
+    ``report`` (its first element unread: the last step's report goes in as it is), then,
+    where the rule is scheduled, the scheduled values."""
     import autoray as ar
 
     loss_ref = _weak_callable(loss_fn)
     bound_ref = _weak(bound) if bound is not None else None
     model_ref = _weak(model) if model is not None else None
-    n_hyper, n_numbers = len(slots), len(slots) + s_kinds.count(_SCALAR)
+    n_hyper, n_ints = len(slots), s_kinds.count(_SCALAR)
 
-    def body(m_arrays: list, s_arrays: list, vector: Any, b_arrays: list) -> tuple:
-        numbers = [vector[i] for i in range(n_numbers)]
-        rule = _rule_at(rule_at, slots, numbers[:n_hyper])
-        tree = pytree.tree_unflatten(s_def, _fill(s_leaves, s_kinds, list(s_arrays), numbers[n_hyper:]))
+    def body(m_arrays: list, s_arrays: list, b_arrays: list, *numbers: Any) -> tuple:
+        ints = [numbers[0][i + 1] for i in range(n_ints)]
+        hyper = [numbers[-1][i] for i in range(n_hyper)]
+        rule = _rule_at(rule_at, slots, hyper)
+        tree = pytree.tree_unflatten(s_def, _fill(s_leaves, s_kinds, list(s_arrays), ints))
         batch = pytree.tree_unflatten(b_def, _fill(b_leaves, b_kinds, list(b_arrays), []))
         if bound_ref is not None:
             ps = optim.params_of(model_ref())

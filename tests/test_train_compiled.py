@@ -236,6 +236,39 @@ def test_forms_that_do_not_compile_take_the_op_by_op_step_silently():
     assert compiled_entries()
 
 
+@pytest.mark.parametrize("name,options", COMPILING, ids=IDS)
+def test_chains_of_one_form_at_different_steps_interleave_exactly(name, options):
+    # a step's Python-int state leaves (Adam's step counts) go in as the last step's report
+    # where they are the ints it reported: chains of one form at other step counts must not
+    # be given the other chain's counts
+    b = backend(name, options)
+    cs.STEPS.clear()
+
+    def chains():
+        model, (x, y) = _convert(b, _numpy_mlp(), "float32"), data(b, "float32")
+        rule = optim.Adam(1e-2)  # one rule object: both chains meet the same plan
+        ahead = [optim.setup(rule, model), model]
+        for _ in range(3):
+            ahead[0], ahead[1], _ = ad.train_step(loss, ahead[1], (x, y), ahead[0], backend=b)
+        behind = [optim.setup(rule, model), model]
+        for _ in range(4):
+            for chain in (ahead, behind):
+                chain[0], chain[1], _ = ad.train_step(loss, chain[1], (x, y), chain[0], backend=b)
+        return ahead, behind
+
+    got = chains()
+    assert len(compiled_entries()) == 1
+    with cs_off():
+        want = chains()
+    for (g_state, g_model), (w_state, w_model) in zip(got, want):
+        assert g_state.step == w_state.step
+        for g, w in zip(leaves((g_state.tree, g_model)), leaves((w_state.tree, w_model))):
+            if isinstance(w, int):
+                assert type(g) is int and g == w
+            else:
+                np.testing.assert_allclose(g, w, rtol=3e-5, atol=3e-5)
+
+
 def test_a_checkpoint_of_compiled_steps_resumes_to_the_same_values(tmp_path):
     b = backend("jax", {})
     model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
@@ -384,3 +417,22 @@ def test_a_state_set_up_for_other_variables_is_refused_after_compiled_steps(kera
         ad.train_step(mse, first, (x, y), other, backend=b)
     for v, was in zip(first.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), was)
+
+
+@pytest.mark.parametrize("last_wait", [0.0, 1.0], ids=["polls", "blocks"])
+def test_jax_to_numpy_of_a_result_being_computed_gives_its_values(last_wait):
+    # the compiled step's sync polls a result still being computed where the last wait was
+    # short (a blocked thread wakes late), and blocks where it was long
+    need("jax")
+    import jax
+
+    b = ad.backend("jax")
+    adapter = b.adapter
+    adapter._last_wait = last_wait
+    x = np.linspace(0.0, 1.0, 256 * 256).reshape(256, 256)
+    a = jax.jit(lambda m: (m @ m @ m).sum(axis=0))(b.convert(x.astype(np.float32)))
+    pending = not a.is_ready()
+    got = b.to_numpy(a)
+    np.testing.assert_allclose(got, (x @ x @ x).sum(axis=0), rtol=1e-4)
+    if pending:  # the wait was measured for the next one
+        assert adapter._last_wait != last_wait
