@@ -17,9 +17,10 @@ the loss to a Python number each step (``float(loss)``, ``loss.item()``) as a tr
 that logs it does; *native, no sync* leaves it on the device (jax, tensorflow), the loop's
 fastest form; *native checked* (jax) is the optax step making ``ad.train_step``'s guarantee:
 the jitted step also returns whether the loss, every gradient and every new parameter is
-finite, and the loop reads that flag before the new values replace the old ones.  *op by op* is ``ad.train_step`` with the whole-step compilation off
-(``abstractdiff._compiled_step._compiler`` returning None for that variant's calls): the
-gradient compiled, the optimiser's update one library call per operation and leaf.
+finite, and the loop reads that flag before the new values replace the old ones.  *op by
+op* is ``ad.train_step`` with the whole-step compilation off (``abstractdiff._compiled_step._compiler``
+returning None for that variant's calls): the gradient compiled, the optimiser's update one
+library call per operation and leaf.
 
 Timing: every variant warmed up (the first call compiles), then, in each of ``--repeats``
 rounds, ``--steps`` steps of each variant in turn (interleaved, the garbage collector off,
