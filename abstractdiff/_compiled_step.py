@@ -11,7 +11,9 @@ to 1e-12 in float64; in float32 the rule's scalar arithmetic (Adam's ``1 - b2**t
 traced in float32 where the op-by-op step uses Python floats.  Only one small array comes
 back to Python per step: the finite total (the ``NonFiniteError`` check, made before
 anything is returned or assigned) and the state's Python-int leaves (Adam's step count),
-which stay Python ints in the returned ``OptState``.
+which stay Python ints in the returned ``OptState``.  That array, still on the device, is
+the next step's input for those ints where the next state's ints are the ones it holds
+(a state from elsewhere sends its own ints).
 
 What the compiled step is keyed on (a step of another form traces again):
 
