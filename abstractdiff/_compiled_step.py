@@ -297,12 +297,12 @@ def compiled_train_step(
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
         params = list(optim.params_of(model)) if implicit else []  # checked, as op by op
-        plan = _plan(b, lib, compiler, loss_fn, bound, model, params, state, batch)
+        leaves, whole_def = pytree.tree_flatten(whole, none_is_leaf=True)  # discovers container types
+        plan = _plan(b, lib, compiler, loss_fn, bound, model, params, state, batch, whole_def)
         if plan is None:
             return None
         plans.insert(0, plan)
         del plans[_PLANS_KEPT:]
-        leaves = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)[0]
     elif plans[0] is not plan:
         plans.remove(plan)
         plans.insert(0, plan)
@@ -356,18 +356,17 @@ def compiled_train_step(
 
 
 def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
-          params: list, state: optim.OptState, batch: tuple) -> _Plan | None:
+          params: list, state: optim.OptState, batch: tuple, whole_def: Any) -> _Plan | None:
     """The plan of this form, or None where the form does not compile (see the module
     docstring), with its compiled step: that of an equal form compiled before, else a new
-    one (traced at its first call)."""
+    one (traced at its first call).  ``whole_def``: the structure of the hot path's one
+    flatten (container types discovered)."""
     implicit = bound is not None
-    # each part flattened on its own (the body rebuilds each), discovering container types
-    m_leaves, m_def = ([], None) if implicit else pytree.tree_flatten(model, none_is_leaf=True)
-    s_leaves, s_def = pytree.tree_flatten(state.tree, none_is_leaf=True)
-    b_leaves, b_def = pytree.tree_flatten(batch, none_is_leaf=True)
+    # each part flattened on its own: the body rebuilds each
+    m_leaves, m_def = ([], None) if implicit else _flatten_known(model, none_is_leaf=True, namespace=pytree.NAMESPACE)
+    s_leaves, s_def = _flatten_known(state.tree, none_is_leaf=True, namespace=pytree.NAMESPACE)
+    b_leaves, b_def = _flatten_known(batch, none_is_leaf=True, namespace=pytree.NAMESPACE)
     leaves = [*m_leaves, *s_leaves, *b_leaves]
-    whole = (state.tree, batch) if implicit else (model, state.tree, batch)
-    whole_def = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)[1]  # the hot path's
     if implicit:
         # only the library's own variables: the compiled step assigns them (an ad.Variable
         # box would be given a traced value)
