@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 demo: $(STAMP)
 	PYTENSOR_FLAGS="$${PYTENSOR_FLAGS:-mode=FAST_COMPILE}" $(VENV)/bin/abstractdiff check
 
+# --dist worksteal: a worker out of tests takes the other's pending ones (a few tests take
+# 30-60 s; with fixed shares one core can sit idle at the end)
 test: $(STAMP)
 	$(PY) -m ruff check abstractdiff adapters tests conformance_tests benchmarks examples
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --doctest-modules abstractdiff tests conformance_tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --doctest-modules abstractdiff tests conformance_tests
 
 # The package as users install it: build the wheel, install it into a fresh virtualenv (the
 # backends borrowed from .venv through a .pth file, so nothing is downloaded again) and run
