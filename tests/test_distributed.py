@@ -8,6 +8,7 @@ plain processes with torchrun's environment) in subprocesses with a timeout.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -81,23 +82,51 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
+#: steps per training run: four passes over the five batches (the last one smaller), each
+#: backend's step traced and its rule's state advanced (50 took ~75 s on the slow group)
+STEPS = 20
 FAST = ["torch", "jax", "tensorflow", "autograd", "implicit:torch", "implicit:autograd"]
 SLOW = ["mlx", "paddle", "pytensor", "finite_differences", "implicit:jax", "implicit:tensorflow"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each group of backends trained once by 2 processes and once by 1 (50 steps)."""
+def runs(request, tmp_path_factory):
+    """Each group of backends trained once by 2 processes and once by 1 (STEPS steps).  Under
+    pytest-xdist a group runs once per session, not once per xdist process that meets its
+    tests (pytest-xdist's documented file-lock recipe, as tests/test_keras.py)."""
     done: dict[str, Path | BaseException] = {}
+    shared = getattr(request.config, "workerinput", None) is not None and importlib.util.find_spec("filelock")
+
+    def launch(key: str, out: Path) -> None:
+        _torchrun(out, "--backends", key, "--steps", str(STEPS))
+        _single(out, "--backends", key, "--steps", str(STEPS))
+
+    def launch_shared(key: str) -> Path:
+        from filelock import FileLock
+
+        out = tmp_path_factory.getbasetemp().parent / f"dp-{key.replace(',', '-').replace(':', '_')}"
+        failed = out.with_suffix(".failed")
+        with FileLock(f"{out}.lock"):
+            if not out.is_dir() and not failed.is_file():
+                out.mkdir()
+                try:
+                    launch(key, out)
+                except (AssertionError, subprocess.TimeoutExpired) as err:
+                    failed.write_text(f"{type(err).__name__}: {err}")
+                    out.rename(out.with_suffix(".partial"))
+        if failed.is_file():
+            raise AssertionError(f"the {key} runs failed (in another xdist process): {failed.read_text()}")
+        return out
 
     def run(group: list[str]) -> Path:
         key = ",".join(group)
         if key not in done:
-            out = tmp_path_factory.mktemp("dp")
             try:
-                _torchrun(out, "--backends", key)
-                _single(out, "--backends", key)
-                done[key] = out
+                if shared:
+                    done[key] = launch_shared(key)
+                else:
+                    done[key] = out = tmp_path_factory.mktemp("dp")
+                    launch(key, out)
             except (AssertionError, subprocess.TimeoutExpired) as err:  # launched once, not once per test
                 done[key] = err
         result = done[key]
@@ -113,7 +142,7 @@ def _check_same_as_one_process(runs, group: list[str], name: str) -> None:
         pytest.skip(f"{name.partition(':')[2] or name} is not available here")
     out = runs(_available(group))
     single, rank0, rank1 = (_params(out, name, t) for t in ("single", "rank0", "rank1"))
-    assert int(single.pop("step")) == int(rank0.pop("step")) == int(rank1.pop("step")) == 50
+    assert int(single.pop("step")) == int(rank0.pop("step")) == int(rank1.pop("step")) == STEPS
     assert _max_diff(rank0, rank1) == 0.0  # the processes hold identical parameters
     assert single["w0"].dtype == rank0["w0"].dtype == np.float64
     assert _max_diff(single, rank0) < 1e-10
@@ -135,13 +164,13 @@ def test_two_processes_train_like_one_on_every_other_backend(runs, name):
 @needs_gloo
 def test_restarting_from_a_checkpoint_continues_bit_identically(runs, tmp_path):
     full = runs(_available(FAST))
-    _torchrun(tmp_path, "--backends", "torch", "--save-at", "20")
+    _torchrun(tmp_path, "--backends", "torch", "--steps", str(STEPS), "--save-at", "8")
     assert (tmp_path / "torch.ckpt.npz").exists()
-    _torchrun(tmp_path, "--backends", "torch", "--resume", "1")
+    _torchrun(tmp_path, "--backends", "torch", "--steps", str(STEPS), "--resume", "1")
     expected = _params(full, "torch", "rank0")
     for rank in ("rank0", "rank1"):
         resumed = _params(tmp_path, "torch", rank)
-        assert int(resumed.pop("step")) == 50
+        assert int(resumed.pop("step")) == STEPS
         for k in resumed:
             np.testing.assert_array_equal(resumed[k], expected[k])
 
