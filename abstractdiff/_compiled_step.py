@@ -351,16 +351,18 @@ def compiled_train_step(
     # and the new state with the counts the report most often holds (each one more than it
     # was: Adam's t), built again below where the report holds others
     s_leaves = leaves[n_m:n_m + plan.n_s]
+
+    def new_tree(counts: list[int]) -> Any:
+        return pytree.tree_unflatten(plan.s_def, _fill(s_leaves, plan.s_kinds, new_s, counts))
+
     counts = [i + 1 for i in ints]
-    new_state = state._replace(step=state.step + 1, tree=pytree.tree_unflatten(
-        plan.s_def, _fill(s_leaves, plan.s_kinds, new_s, counts)), implicit=implicit)
+    new_state = state._replace(step=state.step + 1, tree=new_tree(counts), implicit=implicit)
     report = lib.to_numpy(on_device).tolist()  # the one synchronisation
     if not report[0] == 0:
         raise non_finite()
     if report[1:] != counts:  # exact: integers below _EXACT_BELOW
         counts = [int(c) for c in report[1:]]
-        new_tree = pytree.tree_unflatten(plan.s_def, _fill(s_leaves, plan.s_kinds, new_s, counts))
-        new_state = new_state._replace(tree=new_tree)
+        new_state = new_state._replace(tree=new_tree(counts))
     plan.last = (counts, on_device) if ints else None
     return new_state, new_model, loss
 

@@ -90,6 +90,18 @@ def compiled_entries():
     return [e for e in cs.STEPS._entries._entries.values() if e.run is not cs._FAILED]
 
 
+def compiled_and_op_by_op(fit):
+    """``(fit(), fit())``: first with the whole step compiled (a fallback warning is an error,
+    and a compiled step must exist after it), then op by op (the reference)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ad.CompileFallbackWarning)  # it did compile
+        got = fit()
+    assert compiled_entries(), "the step did not compile"
+    with cs_off():
+        want = fit()
+    return got, want
+
+
 #: every rule in both dtypes on jax; on the others, the clipping chain and a schedule (a lean grid:
 #: a tf.function trace costs seconds), in float32 only on MLX (no float64 on its compiled path)
 VALUE_CASES = [
@@ -103,12 +115,8 @@ VALUE_CASES = [
 def test_a_compiled_step_gives_the_op_by_op_values(name, options, rule, dtype):
     b = backend(name, options)
     cs.STEPS.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ad.CompileFallbackWarning)  # it did compile
-        state, model, losses = run_steps(b, RULES[rule](), dtype)
-    assert compiled_entries(), "the step did not compile"
-    with cs_off():
-        want_state, want_model, want_losses = run_steps(b, RULES[rule](), dtype)
+    (state, model, losses), (want_state, want_model, want_losses) = compiled_and_op_by_op(
+        lambda: run_steps(b, RULES[rule](), dtype))
     tol = 1e-12 if dtype == "float64" else 3e-5  # float32: the rule's scalars are traced in float32
     np.testing.assert_allclose(losses, want_losses, rtol=tol, atol=tol)
     for got, want in zip(leaves(model), leaves(want_model)):
@@ -263,12 +271,7 @@ def test_a_rules_python_int_that_is_not_a_step_count_comes_back_exact(stride):
             state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)
         return state, model
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ad.CompileFallbackWarning)
-        state, model = fit()
-    assert compiled_entries()
-    with cs_off():
-        want_state, want_model = fit()
+    (state, model), (want_state, want_model) = compiled_and_op_by_op(fit)
     counts = [c for c in leaves(state.tree) if isinstance(c, int)]
     assert counts == [c for c in leaves(want_state.tree) if isinstance(c, int)] == [5 + 3 * stride] * 4
     assert all(type(c) is int for c in counts)
@@ -418,12 +421,7 @@ def test_an_implicit_keras_step_compiles_as_one_tf_function(keras_tf):
         return state, model
 
     cs.STEPS.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ad.CompileFallbackWarning)
-        state, model = fit()
-    assert compiled_entries()
-    with cs_off():
-        want_state, want = fit()
+    (state, model), (want_state, want) = compiled_and_op_by_op(fit)
     for v, w in zip(model.trainable_variables, want.trainable_variables):
         np.testing.assert_allclose(v.numpy(), w.numpy(), rtol=3e-5, atol=3e-5)
     assert state.step == want_state.step == 5 and state.implicit
