@@ -176,26 +176,68 @@ class _Plan:
     """One form of step, recognised on the next calls by a few identity and structure tests
     (the hot path): the rule, frozen paths and set-up variables by identity (all immutable,
     kept by every step's state; a state set up for other variables meets the plan-time
-    check of :func:`_check_set_up_for`), the structure of ``(model, state, batch)`` (one
-    flatten), each leaf's type, the static leaves' values and the model arrays' dtypes.  A
-    miss builds the plan again from the exact key (:func:`_plan`), which finds the compiled
-    step of an equal form (a new but equal rule) in :data:`STEPS`.
+    check of :func:`_check_set_up_for`), the structure of ``(model, state, batch)``, each
+    leaf's type, the static leaves' values and the arrays' dtypes.  A miss builds the plan
+    again from the exact key (:func:`_plan`), which finds the compiled step of an equal form
+    (a new but equal rule) in :data:`STEPS`.
 
     Leaf positions (``*_at``) index the leaves of the whole ``(model, state, batch)``."""
 
-    __slots__ = ("rule", "frozen", "variables", "whole_def", "types", "static_at", "static_values", "dtype_at",
-                 "dtypes", "params", "m_def", "s_def", "m_kinds", "s_kinds", "n_m", "n_s", "m_at", "s_at", "b_at",
-                 "scalar_at", "all_dynamic", "slots", "dtype", "key", "step", "last")
+    __slots__ = ("rule", "frozen", "variables", "whole_def", "dicts", "types", "static_at", "static_values",
+                 "dtype_at", "dtypes", "params", "m_def", "s_def", "m_kinds", "s_kinds", "n_m", "n_s", "m_at", "s_at",
+                 "b_at", "scalar_at", "all_dynamic", "slots", "dtype", "key", "step", "call", "last")
 
-    def matches(self, state: optim.OptState, whole_def: Any, leaves: list, params: list) -> bool:
+    def leaves_of(self, whole: tuple) -> list | None:
+        """The leaves of ``whole`` where it has this plan's structure exactly, else None.  The
+        structure's own flatten (up to its leaves: ~6x faster than a flatten, which looks up
+        every leaf's type) checks each node's type, arity, keys and custom data, but takes an
+        OrderedDict or a defaultdict for a dict: the dicts' own types are checked by their
+        paths (a plan whose dicts have none takes the full flatten, ``dicts`` None)."""
+        if self.dicts is None:
+            return None
+        try:
+            leaves = self.whole_def.flatten_up_to(whole)
+        except Exception:  # noqa: BLE001 - another structure (a flatten that raises says so again in the full flatten)
+            return None
+        for path in self.dicts:
+            node = whole
+            for k in path:
+                node = node[k]
+            if type(node) is not dict:
+                return None
+        return leaves
+
+    def matches(self, state: optim.OptState, leaves: list, params: list) -> bool:
+        """Whether leaves of this plan's structure, and ``state``'s rule, are this plan's form."""
         return (
             state.rule is self.rule and state.frozen is self.frozen and state.variables is self.variables
-            and whole_def == self.whole_def
             and tuple(map(type, leaves)) == self.types
             and [leaves[i] for i in self.static_at] == self.static_values
             and [leaves[i].dtype for i in self.dtype_at] == self.dtypes
             and len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
         )
+
+
+def _dict_paths(spec: Any) -> list[tuple] | None:
+    """The paths (keys and indices from the root) of the structure's dict nodes, or None where
+    :meth:`_Plan.leaves_of` cannot tell its containers exactly: an OrderedDict, a defaultdict
+    or a deque (whose flattens up to a structure take other kinds or lengths), or a dict
+    inside a registered node (no path to it)."""
+    kind = spec.kind
+    if kind in _LOOSE_KINDS:
+        return None
+    paths: list[tuple] = [()] if kind == optree.PyTreeKind.DICT else []
+    keys = spec.entries() if kind == optree.PyTreeKind.DICT else range(spec.num_children)
+    for key, child in zip(keys, spec.children()):
+        below = _dict_paths(child)
+        if below is None or (below and kind == optree.PyTreeKind.CUSTOM):
+            return None
+        paths += [(key, *p) for p in below]
+    return paths
+
+
+_LOOSE_KINDS = frozenset(getattr(optree.PyTreeKind, n) for n in ("ORDEREDDICT", "DEFAULTDICT", "DEQUE", "FROZENDICT")
+                         if hasattr(optree.PyTreeKind, n))
 
 
 class _Steps:
@@ -206,6 +248,7 @@ class _Steps:
         self._entries: LRU[Any, _Step] = LRU(CACHE_SIZE)
         self._plans: WeakLRU[list] = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
         self._last: tuple = ((), None, None, None)  # the last plans looked up (a loop's step)
+        self._held: Any = None  # the last step's inputs, let go at the next dispatch (hold)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -214,6 +257,27 @@ class _Steps:
         self._entries = LRU(CACHE_SIZE)
         self._plans = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
         self._last = ((), None, None, None)
+        self._held = None
+
+    def hold(self, leaves: list, *others: Any) -> None:
+        """Keeps a step's model and state leaves (and ``others``) until the next compiled step
+        has dispatched, where they are small (under :data:`_HOLD_ELEMENTS` elements in all),
+        and lets go of the last step's.  The caller drops a step's inputs when it rebinds its
+        model and state to the step's results, that is in the Python between one step's
+        result and the next dispatch, where each library array freed costs about a
+        microsecond (jax) and a small step's time is that Python's.  Let go of here, while
+        the library computes, they are freed where a native loop frees them (it rebinds right
+        after its dispatch).  A large model is not held: a second copy of it would be."""
+        total = 0
+        for a in leaves:
+            if type(a) in _PLAIN:
+                continue
+            size = getattr(a, "size", None)
+            if type(size) is not int:  # a library's array without an element count: not held
+                total = _HOLD_ELEMENTS
+                break
+            total += size
+        self._held = (leaves, others) if total < _HOLD_ELEMENTS else None
 
     def get(self, key: Any, loss_fn: Callable[..., Any]) -> _Step | None:
         entry = self._entries.get(key)
@@ -252,6 +316,8 @@ class _Steps:
         return plans
 
 
+#: the elements of a step's model and state held until the next dispatch at most (1 MiB in float64)
+_HOLD_ELEMENTS = 1 << 17
 STEPS = _Steps()
 _PLANS_KEPT = 4  # forms per loss function and backend (a last, smaller batch is a second form)
 _flatten_known = optree.tree_flatten
@@ -284,15 +350,19 @@ def compiled_train_step(
     compiler = _compiler(lib)
     if compiler is None:
         return None
-    # the hot path: one flatten of everything the step reads (a container type not yet
+    # the hot path: everything the step reads, flattened once (a container type not yet
     # discovered misses the plan, whose flatten discovers it)
     if implicit:
         params, whole = _variables(model), (state.tree, batch)
     else:
         params, whole = [], (model, state.tree, batch)
-    leaves, whole_def = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)
     plans = STEPS.plans(loss_fn, model, lib, implicit)
-    plan = next((p for p in plans if p.matches(state, whole_def, leaves, params)), None)
+    # a loop's step is the last plan's form: recognised by its structure's own flatten
+    plan = plans[0] if plans else None
+    leaves = plan.leaves_of(whole) if plan is not None else None
+    if leaves is None or not plan.matches(state, leaves, params):
+        leaves, whole_def = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)
+        plan = next((p for p in plans if p.whole_def == whole_def and p.matches(state, leaves, params)), None)
     if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
@@ -324,7 +394,7 @@ def compiled_train_step(
         hyper = _scheduled_values(state.rule.at(state.step), plan.slots)  # checked, as op by op
         numbers.append(np.asarray(hyper, dtype=plan.dtype))
     try:
-        loss, on_device, new_m, new_s = plan.step.run(
+        loss, on_device, new_m, new_s = plan.call(
             [leaves[i] for i in plan.m_at], [leaves[i] for i in plan.s_at], [leaves[i] for i in plan.b_at], *numbers)
     except Exception as err:  # noqa: BLE001 - a form the library cannot trace: op by op from now on
         failed = plan.step._replace(run=_FAILED)
@@ -338,11 +408,12 @@ def compiled_train_step(
             CompileFallbackWarning, stacklevel=3,
         )
         return None
-    # what needs no number from the device is built while the library computes (a thread
+    # what needs no number from the device is done while the library computes (a thread
     # that waits from the moment it dispatched is woken later than one that was busy, and
     # the Python between this step's result and the next dispatch is what a small step costs):
-    # the new model
+    # the last step's inputs let go (see _Steps.hold), the new model
     n_m = plan.n_m
+    STEPS.hold(leaves[:n_m + plan.n_s], loss, plan.last)
     if implicit:
         new_model = model
     else:
@@ -388,6 +459,8 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         m_kinds: list[int] | None = []
         floats = [optim.read(v) for v in params]
     else:
+        if _state_after(model, state.tree) != s_def:
+            return None
         m_kinds = _classify(m_leaves, lib.is_native, scalars=False)
         floats = [a for a, k in zip(m_leaves, m_kinds or ()) if k == _DYNAMIC]
     s_kinds = _classify(s_leaves, lib.is_native, scalars=True)
@@ -434,10 +507,15 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     plan.types = tuple(map(type, leaves))
     plan.static_at = [i for i, k in enumerate(kinds) if k == _STATIC]
     plan.static_values = [leaves[i] for i in plan.static_at]
-    # the model's arrays' dtypes (the step's dtype comes from them; the state's follow them,
-    # the batch's are the library's own cache key)
-    plan.dtype_at = [i for i, k in enumerate(m_kinds) if k == _DYNAMIC]
+    # every array's dtype: the step's dtype comes from the model's, and the call may be the
+    # compiler's for these dtypes (jax: inside its x64 scope or not, decided once)
+    plan.dtype_at = [i for i, k in enumerate(kinds) if k == _DYNAMIC]
     plan.dtypes = [leaves[i].dtype for i in plan.dtype_at]
+    plan.dicts = _dict_paths(whole_def)
+    plan.call = step.run
+    for_dtypes = getattr(step.run, "for_dtypes", None)
+    if for_dtypes is not None:
+        plan.call = for_dtypes(frozenset([*plan.dtypes, np.dtype(dtype)]))
     plan.params, plan.m_def, plan.s_def, plan.m_kinds, plan.s_kinds = params, m_def, s_def, m_kinds, s_kinds
     plan.n_m, plan.n_s, plan.slots, plan.dtype = n_m, n_s, slots, dtype
     plan.m_at, plan.s_at, plan.b_at = (
@@ -447,6 +525,21 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     plan.all_dynamic = all(k == _DYNAMIC for k in m_kinds)
     plan.last = None  # (the Python ints the last step reported, its report on the device)
     return plan
+
+
+def _state_after(model: Any, tree: Any) -> Any:
+    """The structure of the state tree an explicit step gives back: the model's containers down
+    to its leaves, each leaf's state below (``optim.update`` rebuilds it so), or None where
+    the state is not of this model (the op-by-op step says what is wrong).  A state of other
+    containers (a dict state for an OrderedDict model, whose keys come in another order) takes
+    one op-by-op step, whose state has the model's: the compiled step builds the new state
+    with the given state's structure."""
+    treedef = pytree.tree_flatten_with_path(model)[2]  # the structure optim.update pairs the state by
+    try:
+        rebuilt = pytree.tree_unflatten(treedef, treedef.flatten_up_to(tree))
+    except (ValueError, TypeError):
+        return None
+    return pytree.tree_structure(rebuilt, none_is_leaf=True)
 
 
 def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves: list, m_def: Any, m_kinds: list,

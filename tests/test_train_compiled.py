@@ -3,6 +3,7 @@ as the op-by-op step, one trace per form, exact keys, and every error path of th
 
 from __future__ import annotations
 
+import collections
 import gc
 import time
 import warnings
@@ -389,6 +390,101 @@ def test_a_plan_holds_no_arrays_of_the_step_it_was_made_from():
         state, model, _ = ad.train_step(loss, model, (x, y), state, backend=b)
     gc.collect()
     assert first() is None, "a plan keeps the first step's model arrays alive"
+
+
+# ------------------------------------------------------------------ the loop's plan, recognised by its structure
+def _reordered(m):
+    return collections.OrderedDict(reversed(list(m.items())))
+
+
+#: a model (and state) changed between steps into containers of other kinds: each is another
+#: form, whose step gives back the containers the op-by-op step gives back
+CONTAINER_CHANGES = {
+    "ordered-model-and-state": lambda m, s: (_reordered(m), s._replace(tree=_reordered(s.tree))),
+    "ordered-model-dict-state": lambda m, s: (_reordered(m), s),  # the state comes back an OrderedDict
+    "defaultdict-model": lambda m, s: (collections.defaultdict(list, m), s),
+    "nested-dict-replaced-in-place": lambda m, s: (m.__setitem__("layer", _reordered(m["layer"])) or m, s),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CONTAINER_CHANGES))
+def test_containers_of_other_kinds_are_other_forms(change):
+    # a step recognises the last plan's form by its structure's own flatten, which takes an
+    # OrderedDict or a defaultdict for a dict: the plan checks the dicts' types itself
+    b = backend("jax", {})
+    cs.STEPS.clear()
+
+    def fit():
+        model, (x, y) = _convert(b, _numpy_mlp(), "float64"), data(b, "float64")
+        state, values = optim.setup(optim.Adam(1e-2), model), []
+        for i in range(6):
+            if i == 3:
+                model, state = CONTAINER_CHANGES[change](model, state)
+            state, model, value = ad.train_step(loss, model, (x, y), state, backend=b)
+            values.append(float(ad.to_numpy(value)))
+        return state, model, values
+
+    (state, model, values), (want_state, want_model, want_values) = compiled_and_op_by_op(fit)
+    np.testing.assert_allclose(values, want_values, rtol=1e-12, atol=1e-12)
+    assert type(model) is type(want_model) and list(model) == list(want_model)
+    assert type(model["layer"]) is type(want_model["layer"]) and list(model["layer"]) == list(want_model["layer"])
+    assert type(state.tree) is type(want_state.tree) and list(state.tree) == list(want_state.tree)
+    for got, want in zip(leaves((model, state.tree)), leaves((want_model, want_state.tree))):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_batch_of_another_dtype_is_another_form():
+    # the plan's call is the compiler's for its arrays' dtypes (jax: in its x64 scope or not):
+    # a numpy float64 batch after float32 ones must not run float32's (outside the x64 scope
+    # jax takes numpy float64 as float32)
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    x32, y32 = data(b, "float32")
+    x64, y64 = (np.asarray(ad.to_numpy(a)) for a in data(b, "float64"))
+
+    def fit():
+        model = _convert(b, _numpy_mlp(), "float32")
+        state, values = optim.setup(optim.Adam(1e-2), model), []
+        for x, y in [(x32, y32)] * 2 + [(x64, y64)] * 2 + [(x32, y32)]:
+            state, model, value = ad.train_step(loss, model, (x, y), state, backend=b)
+            values.append(np.asarray(ad.to_numpy(value)))
+        return model, values
+
+    (model, values), (want_model, want_values) = compiled_and_op_by_op(fit)
+    assert [v.dtype for v in values] == [v.dtype for v in want_values]
+    assert values[2].dtype == np.float64  # the float64 batch's loss, in float64
+    np.testing.assert_allclose(values, want_values, rtol=3e-5, atol=3e-5)
+    for got, want in zip(leaves(model), leaves(want_model)):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5)
+
+
+def test_a_steps_inputs_are_held_to_the_next_dispatch_only_while_small():
+    # the arrays a loop lets go of when it rebinds to a step's results are freed at the next
+    # step's dispatch (while the library computes), where the model and state are small
+    b = backend("jax", {})
+    cs.STEPS.clear()
+    x, y = data(b, "float64")
+
+    def wide_loss(m, x, y):
+        return autoray.do("mean", (x @ m["w"][:3, :1] - y) ** 2) + 0 * autoray.do("sum", m["w"])
+
+    for size, held in [(400, False), (5, True)]:  # 160,000 elements (x3 with Adam's state), 25
+        model = {"w": b.convert(np.ones((max(size, 3), size)) * 0.1)}
+        state = optim.setup(optim.Adam(1e-2), model)
+        first = weakref.ref(model["w"])
+        state, model, _ = ad.train_step(wide_loss, model, (x, y), state, backend=b)
+        assert compiled_entries()
+        gc.collect()
+        assert (first() is not None) is held, f"size {size}: held {first() is not None}"
+        second = weakref.ref(model["w"])
+        state, model, _ = ad.train_step(wide_loss, model, (x, y), state, backend=b)
+        gc.collect()
+        assert first() is None, "the first step's inputs outlive the next dispatch"
+    assert second() is not None  # the last step's inputs (small), until a next dispatch or a clear
+    cs.STEPS.clear()
+    gc.collect()
+    assert second() is None
 
 
 # ------------------------------------------------------------------ implicit Keras on tensorflow
