@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.split("\n\n")[0])
     parser.add_argument("library", nargs="*", help=f"of {', '.join(LIBRARIES)}; default: all installed")
     parser.add_argument("--steps", type=int, default=100, help="steps per timed block")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (minimum taken)")
+    parser.add_argument("--repeats", type=int, default=20, help="interleaved rounds (minimum taken)")
     parser.add_argument("--warmup", type=int, default=10, help="steps per variant before timing")
     opts = parser.parse_args(argv)
     unknown = sorted(set(opts.library) - set(LIBRARIES))
