@@ -191,21 +191,27 @@ class _Plan:
         """The leaves of ``whole`` where it has this plan's structure exactly, else None.  The
         structure's own flatten (up to its leaves: ~6x faster than a flatten, which looks up
         every leaf's type) checks each node's type, arity, keys and custom data, but takes an
-        OrderedDict or a defaultdict for a dict: the dicts' own types are checked by their
-        paths (a plan whose dicts have none takes the full flatten, ``dicts`` None)."""
+        OrderedDict or a defaultdict for a dict (a plan whose dicts cannot be reached by
+        path takes the full flatten, ``dicts`` None)."""
         if self.dicts is None:
             return None
         try:
             leaves = self.whole_def.flatten_up_to(whole)
         except Exception:  # noqa: BLE001 - another structure (a flatten that raises says so again in the full flatten)
             return None
-        for path in self.dicts:
+        return leaves if self.dicts_match(whole) else None
+
+    def dicts_match(self, whole: tuple) -> bool:
+        """Whether the dicts of ``whole`` (of this plan's structure) are plain dicts with their
+        keys in this plan's order: the structure's equality and flatten ignore the order, and
+        the compiled step gives back its plan's (the op-by-op step gives back the caller's)."""
+        for path, keys in self.dicts or ():
             node = whole
             for k in path:
                 node = node[k]
-            if type(node) is not dict:
-                return None
-        return leaves
+            if type(node) is not dict or tuple(node) != keys:
+                return False
+        return True
 
     def matches(self, state: optim.OptState, leaves: list, params: list) -> bool:
         """Whether leaves of this plan's structure, and ``state``'s rule, are this plan's form."""
@@ -218,21 +224,23 @@ class _Plan:
         )
 
 
-def _dict_paths(spec: Any) -> list[tuple] | None:
-    """The paths (keys and indices from the root) of the structure's dict nodes, or None where
-    :meth:`_Plan.leaves_of` cannot tell its containers exactly: an OrderedDict, a defaultdict
-    or a deque (whose flattens up to a structure take other kinds or lengths), or a dict
-    inside a registered node (no path to it)."""
+def _dict_paths(spec: Any) -> list[tuple[tuple, tuple]] | None:
+    """The paths (keys and indices from the root) of the structure's dict nodes, each with the
+    dict's keys in their order, or None where :meth:`_Plan.leaves_of` cannot tell its
+    containers exactly: an OrderedDict, a defaultdict or a deque (whose flattens up to a
+    structure take other kinds or lengths), or a dict inside a registered node (no path to it)."""
     kind = spec.kind
     if kind in _LOOSE_KINDS:
         return None
-    paths: list[tuple] = [()] if kind == optree.PyTreeKind.DICT else []
+    paths: list[tuple[tuple, tuple]] = []
+    if kind == optree.PyTreeKind.DICT:  # its keys in their order: the structure's unflatten keeps it
+        paths.append(((), tuple(optree.tree_unflatten(spec, [None] * spec.num_leaves))))
     keys = spec.entries() if kind == optree.PyTreeKind.DICT else range(spec.num_children)
     for key, child in zip(keys, spec.children()):
         below = _dict_paths(child)
         if below is None or (below and kind == optree.PyTreeKind.CUSTOM):
             return None
-        paths += [(key, *p) for p in below]
+        paths += [((key, *p), keys) for p, keys in below]
     return paths
 
 
@@ -358,11 +366,13 @@ def compiled_train_step(
         params, whole = [], (model, state.tree, batch)
     plans = STEPS.plans(loss_fn, model, lib, implicit)
     # a loop's step is the last plan's form: recognised by its structure's own flatten
-    plan = plans[0] if plans else None
+    recent = plans[:1]  # (one operation: another thread may be reordering the list)
+    plan = recent[0] if recent else None
     leaves = plan.leaves_of(whole) if plan is not None else None
     if leaves is None or not plan.matches(state, leaves, params):
         leaves, whole_def = _flatten_known(whole, none_is_leaf=True, namespace=pytree.NAMESPACE)
-        plan = next((p for p in plans if p.whole_def == whole_def and p.matches(state, leaves, params)), None)
+        plan = next((p for p in plans if p.whole_def == whole_def and p.dicts_match(whole)
+                     and p.matches(state, leaves, params)), None)
     if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
             plans.remove(plan)
@@ -459,7 +469,8 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         m_kinds: list[int] | None = []
         floats = [optim.read(v) for v in params]
     else:
-        if _state_after(model, state.tree) != s_def:
+        s_out = _state_after(model, state.tree)
+        if s_out != s_def:
             return None
         m_kinds = _classify(m_leaves, lib.is_native, scalars=False)
         floats = [a for a, k in zip(m_leaves, m_kinds or ()) if k == _DYNAMIC]
@@ -516,7 +527,10 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     for_dtypes = getattr(step.run, "for_dtypes", None)
     if for_dtypes is not None:
         plan.call = for_dtypes(frozenset([*plan.dtypes, np.dtype(dtype)]))
-    plan.params, plan.m_def, plan.s_def, plan.m_kinds, plan.s_kinds = params, m_def, s_def, m_kinds, s_kinds
+    # the new state is built as optim.update builds it: with the model's dict key order (the
+    # structures are equal, so the leaves' order is one)
+    plan.s_def = s_def if implicit else s_out
+    plan.params, plan.m_def, plan.m_kinds, plan.s_kinds = params, m_def, m_kinds, s_kinds
     plan.n_m, plan.n_s, plan.slots, plan.dtype = n_m, n_s, slots, dtype
     plan.m_at, plan.s_at, plan.b_at = (
         [start + i for i, k in enumerate(part) if k == _DYNAMIC]
@@ -532,8 +546,9 @@ def _state_after(model: Any, tree: Any) -> Any:
     to its leaves, each leaf's state below (``optim.update`` rebuilds it so), or None where
     the state is not of this model (the op-by-op step says what is wrong).  A state of other
     containers (a dict state for an OrderedDict model, whose keys come in another order) takes
-    one op-by-op step, whose state has the model's: the compiled step builds the new state
-    with the given state's structure."""
+    one op-by-op step, whose state has the model's: the compiled step reads the state by the
+    given state's structure.  (Structures equal but for their dicts' key order have one
+    order of leaves.)"""
     treedef = pytree.tree_flatten_with_path(model)[2]  # the structure optim.update pairs the state by
     try:
         rebuilt = pytree.tree_unflatten(treedef, treedef.flatten_up_to(tree))
