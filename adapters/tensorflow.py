@@ -254,8 +254,7 @@ class _Variables:
             y, aux = split_aux(f(*args), has_aux)
             y = _implicit_output(y)
         check_scalar(y)
-        grads = tape.gradient(y, variables, unconnected_gradients=_ZERO)
-        return y, aux, [_dense(g) for g in grads]
+        return y, aux, _gradients(tape, y, variables)
 
     def implicit_value_and_pullback(self, f: Callable[..., Any], variables: list, args: tuple) -> tuple:
         # persistent: the pullback may be called more than once
@@ -264,9 +263,7 @@ class _Variables:
             y = _implicit_output(f(*args))
 
         def vjp(dy: Any) -> list:
-            dy = tf.cast(self.adapter.backend.cotangent(dy, y), y.dtype)
-            grads = tape.gradient(y, variables, output_gradients=dy, unconnected_gradients=_ZERO)
-            return [_dense(g) for g in grads]
+            return _gradients(tape, y, variables, tf.cast(self.adapter.backend.cotangent(dy, y), y.dtype))
 
         return y, vjp
 
@@ -280,6 +277,11 @@ def _graph_loop(leaves: list) -> bool:
     # tf.while_loop's gradient), the core's Python loop, which the tapes record as it runs
     tensors = [v for v in leaves if tf.is_tensor(v)]
     return not tf.executing_eagerly() and pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes(tensors) < 2
+
+
+def _write(stack: Any, i: Any, y: Any) -> Any:
+    """``y`` as row ``i`` of a TensorArray or of a dense tensor."""
+    return stack.write(i, y) if isinstance(stack, tf.TensorArray) else tf.tensor_scatter_nd_update(stack, [[i]], [y])
 
 
 class _Loops:
@@ -297,16 +299,21 @@ class _Loops:
             return NotImplemented
         init, xs = [tf.convert_to_tensor(c) for c in init], [tf.convert_to_tensor(x) for x in xs]
         first, ys = f(init, [x[0] for x in xs])  # step 0 outside the loop: it tells ys' dtypes and shapes
-        ys = [tf.convert_to_tensor(y) for y in ys]
-        arrays = [tf.TensorArray(y.dtype, size=length, element_shape=y.shape).write(0, y) for y in ys]
+        first, ys = _typed(first, init), [tf.convert_to_tensor(y) for y in ys]
+        # A TensorArray's handle has no tangent, so forward mode (a ForwardAccumulator: ours or
+        # the caller's) fails on it, as on tf.scan; where step 0's values carry a tangent, ys
+        # are stacked in dense tensors (a copy per step, ~1.5x slower), else in TensorArrays.
+        dense = pywrap_tfe.TFE_Py_PackJVPs(init + xs + first + ys)[1]
+        arrays = [_write(tf.zeros(tf.concat([[length], tf.shape(y)], 0), y.dtype) if dense else
+                         tf.TensorArray(y.dtype, size=length, element_shape=y.shape), 0, y) for y in ys]
 
         def step(i: Any, c: list, arrays: list) -> tuple:
             new, y = f(list(c), [tf.gather(x, i) for x in xs])
-            return i + 1, _typed(new, c), [a.write(i, v) for a, v in zip(arrays, y)]
+            return i + 1, _typed(new, c), [_write(a, i, v) for a, v in zip(arrays, y)]
 
-        loop = (tf.constant(1), _typed(first, init), arrays)
+        loop = (tf.constant(1), first, arrays)
         _, carry, arrays = tf.while_loop(lambda i, *_: i < length, step, loop, maximum_iterations=length - 1)
-        return carry, [a.stack() for a in arrays]
+        return carry, [a if dense else a.stack() for a in arrays]
 
     def while_loop(self, cond: Callable, body: Callable, init: list) -> Any:
         if tf.executing_eagerly():
@@ -386,10 +393,8 @@ class TensorFlowAdapter(Adapter):
         return isinstance(a, (tf.Tensor, tf.Variable))
 
     def from_numpy(self, a: np.ndarray) -> Any:
-        with tf.device(self.tf_device):
-            t = tf.convert_to_tensor(a)
-            # Eager constants are created on the host; identity copies them to the device.
-            return t if self.device == "cpu" else tf.identity(t)
+        with tf.device(self.tf_device):  # eager constants are made on the host: identity copies them to the device
+            return tf.convert_to_tensor(a) if self.device == "cpu" else tf.identity(a)
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a.numpy())

@@ -117,7 +117,7 @@ def pendulum_unrolled(x):
     return anp.sum(s[0] + 0.3 * s[1])
 
 
-def loop_scenarios(dtypes: tuple = ("float64", "float32")) -> list:
+def rk4_scenarios(dtypes: tuple = ("float64", "float32")) -> list:
     """The conformance harness's scenario of a loop, one per dtype, with autograd's derivatives of
     the unrolled loop as references (float32 too where ``dtypes`` says so)."""
     if unavailable_reason("autograd") is not None:
@@ -137,7 +137,8 @@ def loop_scenarios(dtypes: tuple = ("float64", "float32")) -> list:
 
 def test_conformance_grid_through_a_loop(b):
     # float32 on the eager backends only: the compiled ones trace every operator again per dtype
-    report = testing.check_backend(b, loop_scenarios(("float64",) if b.name in COMPILED else ("float64", "float32")))
+    dtypes = ("float64",) if b.name in COMPILED else ("float64", "float32")
+    report = testing.check_backend(b, rk4_scenarios(dtypes) + testing.loop_scenarios(dtypes))
     assert report.ok, report.failures
 
 
@@ -187,6 +188,30 @@ def test_scan_stacks_outputs_and_differentiates(b):
     y, g = ad.value_and_gradient(b, loss, XS, TS)
     _close(y, reference(XS, TS), b)
     _close(g, ad.gradient("autograd", reference, XS, TS), b)
+
+
+def test_tensorflow_scan_under_the_callers_forward_accumulator():
+    # a TensorArray's handle has no tangent (tf.scan fails so): the adapter stacks ys densely here
+    b = _backend("tensorflow")
+    import tensorflow as tf
+
+    def step(c, xk):
+        z = 0.5 * c + xk
+        return z, z * z
+
+    @tf.function
+    def jvp(x, t):
+        with tf.autodiff.ForwardAccumulator(x, t) as acc:
+            _, ys = ad.scan(step, tf.zeros((1,), tf.float64), x)
+        return ys, acc.jvp(ys)
+
+    x, t = np.array([[0.3], [-1.0], [0.8]]), np.array([[1.0], [0.5], [-2.0]])
+    ys, tangent = jvp(tf.constant(x), tf.constant(t))
+    # z = (0.3, -0.85, 0.375), its tangent (1, 1, -1.5): ys' tangent is 2 z dz
+    want = np.array([[0.6], [-1.7], [-1.125]])
+    _close(tangent, want, b)
+    _close(ys, np.array([[0.09], [0.7225], [0.140625]]), b)
+    _close(ad.pushforward(b, lambda x: ad.scan(step, x[0] * 0, x)[1], x)(t), want, b)
 
 
 def test_scan_over_length_without_xs(b):

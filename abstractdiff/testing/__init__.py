@@ -30,6 +30,7 @@ from ._check import (
     default_rtol,
     is_approximate,
 )
+from ._loops import loop_scenarios
 from ._rules import rule_scenarios
 from ._scenarios import OPERATORS, Scenario, Switching, default_scenarios, scenario_names, switching_scenarios
 
@@ -48,6 +49,7 @@ __all__ = [
     "default_rtol",
     "default_scenarios",
     "is_approximate",
+    "loop_scenarios",
     "rule_scenarios",
     "scenario_names",
     "switching_scenarios",

@@ -20,8 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._errors import InvalidArgumentError
-from ._scenarios import DTYPES, Scenario, _ar, _rng, _tangent_like, _up
+from ._scenarios import DTYPES, Scenario, _ar, _family, _rng, _tangent_like, _up
 
 __all__ = ["REVERSE_OPERATORS", "FORWARD_OPERATORS", "rule_scenarios"]
 
@@ -211,14 +210,8 @@ def rule_scenarios(dtypes: str | Sequence[str] = DTYPES) -> list[Scenario]:
         >>> [s.name for s in rule_scenarios("float64")][:2]
         ['rule_square', 'rule_pytree']
     """
-    if isinstance(dtypes, str):
-        dtypes = (dtypes,)
-    out = []
-    for dt in dtypes:
-        if dt not in DTYPES:
-            raise InvalidArgumentError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
-        if dt not in _CACHE:
-            fn = _functions()
-            _CACHE[dt] = [build(dt, fn) for build in _BUILDERS]
-        out.extend(_CACHE[dt])
-    return out
+    def build(dt: str) -> list[Scenario]:
+        fn = _functions()  # one set of functions per dtype, as each dtype is traced anew
+        return [make(dt, fn) for make in _BUILDERS]
+
+    return _family(dtypes, _CACHE, build)

@@ -749,12 +749,22 @@ DTYPES: tuple[str, ...] = ("float64", "float32")
 _CACHE: dict[str, list[Scenario]] = {}
 
 
-def _built(dtype: str) -> list[Scenario]:
-    # Built once per process: compiling backends (jax, tensorflow) cache their traces per
-    # function object, so reusing the scenarios' functions makes a second check cheap.
-    if dtype not in _CACHE:
-        _CACHE[dtype] = [build(dtype) for build in _BUILDERS]
-    return _CACHE[dtype]
+def _family(dtypes: str | Sequence[str], cache: dict, build: Callable[[str], list]) -> list[Scenario]:
+    """A scenario family's scenarios for ``dtypes`` (a name or several), each dtype's list
+    made by ``build(dtype)`` once per process and kept in ``cache``: compiling backends (jax,
+    tensorflow) cache their traces per function object, so reusing the scenarios' functions
+    makes a second check cheap."""
+    if isinstance(dtypes, str):
+        dtypes = (dtypes,)
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise InvalidArgumentError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
+    out = []
+    for dt in dtypes:
+        if dt not in cache:
+            cache[dt] = build(dt)
+        out.extend(cache[dt])
+    return out
 
 
 def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str] | None = None) -> list[Scenario]:
@@ -768,12 +778,7 @@ def default_scenarios(dtypes: str | Sequence[str] = DTYPES, names: Sequence[str]
         >>> [s.id for s in default_scenarios("float32", names=["rosenbrock"])]
         ['rosenbrock[float32]']
     """
-    if isinstance(dtypes, str):
-        dtypes = (dtypes,)
-    for dt in dtypes:
-        if dt not in DTYPES:
-            raise InvalidArgumentError(f"unsupported scenario dtype {dt!r}; choose from {DTYPES}")
-    out = [s for dt in dtypes for s in _built(dt)]
+    out = _family(dtypes, _CACHE, lambda dt: [build(dt) for build in _BUILDERS])
     if names is not None:
         known = {s.name for s in out}
         unknown = sorted(set(names) - known)

@@ -7,7 +7,8 @@ point, or by a ``conftest.py`` calling ``ad.register_backend``)::
 
 It runs every default scenario and operator on NAME in float64 and float32, on the CPU
 and on a GPU where the backend reports one (compared with the CPU results), through
-``ad.Implicit(NAME)``, and checks agreement with the finite-differences oracle.
+``ad.Implicit(NAME)``, the custom-rule and loop families, and checks agreement with the
+finite-differences oracle.
 Without ``--ad-backend`` it tests every available backend.
 """
 
@@ -26,6 +27,8 @@ def pytest_generate_tests(metafunc: Any) -> None:
     if "agree_case" in metafunc.fixturenames:
         params = _grid.gen_params(config, devices=("cpu",))
         metafunc.parametrize("agree_case", [p for p in params if p.values[0].backend != "finite_differences"])
+    if "loop_case" in metafunc.fixturenames:
+        metafunc.parametrize("loop_case", _grid.gen_params(config, devices=("cpu",)))
     if "backend_name" in metafunc.fixturenames:
         names, _ = _grid.backend_names(config)
         metafunc.parametrize("backend_name", names)
@@ -63,6 +66,14 @@ def test_custom_rules(agree_case: _grid.Case) -> None:
     if approximates(b) or not getattr(b, "has_custom_rule", False):
         pytest.skip(f"{agree_case.backend}: no custom_rule hook (or a numerical backend, which ignores rules)")
     _grid.assert_report(check_backend(b, rule_scenarios(agree_case.dtype)))
+
+
+def test_loops(loop_case: _grid.Case) -> None:
+    """The loop family (``testing.loop_scenarios``): ``ad.fori_loop`` and ``ad.scan`` on the
+    adapter's ``loops`` hook (the library's loop primitive) or as Python loops, to second order."""
+    from abstractdiff.testing import check_backend, loop_scenarios
+
+    _grid.assert_report(check_backend(_grid.load(loop_case), loop_scenarios(loop_case.dtype)))
 
 
 def test_agrees_with_finite_differences(agree_case: _grid.Case) -> None:

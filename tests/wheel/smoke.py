@@ -117,6 +117,18 @@ def custom_derivatives_on_every_exact_backend():
 
 
 @check
+def loops_on_every_backend():
+    """testing.loop_scenarios (ad.fori_loop and ad.scan, to second order) on every backend: the
+    library's loop primitive on jax, tensorflow and PyTensor, Python loops on the others."""
+    import abstractdiff as ad
+    from abstractdiff import testing
+
+    for name in ("autograd", "finite_differences", "jax", "mlx", "paddle", "pytensor", "tensorflow", "torch"):
+        report = testing.check_backend(ad.backend(name), testing.loop_scenarios("float64"))
+        assert report.ok, report
+
+
+@check
 def library_pytrees_on_every_backend():
     """A jax.tree_util dataclass and an Equinox module are flattened as jax flattens them."""
     import dataclasses
