@@ -15,8 +15,11 @@ owns it (a flat function's preparations and artefacts are the flat function's).
 
 from __future__ import annotations
 
+import enum
+import functools
 import hashlib
 import threading
+import types
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
@@ -26,7 +29,7 @@ import numpy as np
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-__all__ = ["LRU", "WeakLRU", "array_fingerprint", "value_key"]
+__all__ = ["LRU", "WeakLRU", "array_fingerprint", "native_array_key", "static_key", "value_key"]
 
 _MISSING: Any = object()
 
@@ -280,3 +283,201 @@ def value_key(value: Any, alive: list[Any] | None = None, *, native: Callable[[A
     if alive is not None:
         alive.append(value)
     return ("id", id(value))
+
+
+# ------------------------------------------------- arrays written in place, static leaves
+def native_array_key(value: Any) -> Hashable | None:
+    """The content key of another library's array that a compiled trace would freeze but that
+    can be written in place (an MLX array: ``G[...] = 3.0`` keeps the Python object), or
+    ``None`` where its identity is the right key.
+
+    Identity is right for an immutable array (jax, a TensorFlow tensor: its owning adapter's
+    :meth:`~abstractdiff.protocol.Adapter.snapshot` returns the array itself) and for a
+    library's variables (``tf.Variable``, torch and paddle tensors: the adapter's
+    ``is_variable``), which the library's compiled functions read when they run.  Anything
+    else is keyed by its content, read through the owning adapter's ``to_numpy``, whatever its
+    size (the policy of numpy arrays, :func:`array_fingerprint`).  A traced value (no concrete
+    content) and an object no backend claims give ``None``.
+    """
+    from ._registry import backend_for  # imported on use: the registry imports the caches
+
+    b = backend_for(value)
+    if b is None:
+        return None
+    try:
+        if b.is_variable(value) or b.snapshot(value) is value:
+            return None
+        content = b.to_numpy(value)
+    except Exception:  # noqa: BLE001 - a traced value (inside the library's compile): identity
+        return None
+    if not isinstance(content, np.ndarray) or content.dtype == object:
+        return None
+    return ("native", type(value), array_fingerprint(content))
+
+
+class _Same:
+    """An object in a key, compared by identity and held strongly (so its ``id`` stays its own
+    while the key lives), whatever its own ``__eq__`` (an array's is element-wise)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<the {type(self.obj).__name__} at {id(self.obj):#x}>"
+
+
+class _Unchecked(Exception):
+    """An object's state is too large or too deep to key (see :func:`static_key`)."""
+
+
+#: Objects keyed by identity alone: they hold no state a trace reads that can change under
+#: the same object (a function's globals are the captures' business, not a static leaf's).
+_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type,
+                functools.partial, enum.Enum, types.CodeType)
+#: At most this many values are read from one static object (its attributes, theirs...), and
+#: at most this deep; a larger one cannot be checked on each call (see :func:`static_key`).
+STATE_BUDGET = 512
+_STATE_DEPTH = 4
+
+
+def _value_equality(kind: type) -> bool:
+    """Whether ``kind`` defines its own equality (a frozen dataclass, a namedtuple, a Backend):
+    its objects are keyed as themselves, trusting it, as jax's static arguments are."""
+    return kind.__eq__ is not object.__eq__ and kind.__hash__ is not None
+
+
+def static_key(leaf: Any, deep: bool = True) -> Hashable:
+    """The key of a static leaf of ``(x, args)`` (a leaf that is neither a float nor an array):
+    what a plan, a prepared operator and a compiled trace are specialised on.
+
+    * Python numbers, strings, bytes, booleans and ``None`` exactly, ``(type, value)``
+      (floats by their bits: ``-0.0`` is not ``0.0``, a NaN equals itself);
+    * an object whose class defines its own equality and hash (a frozen dataclass, an enum,
+      a backend) as itself: its equality is trusted, as jax trusts a static argument's;
+    * functions, methods, classes, modules and any other callable object (a library's
+      ``jax.custom_jvp`` function, a model) by identity, as functions are: their attributes
+      are not read (a global they read is :mod:`abstractdiff._captures`' business);
+    * with ``deep`` (a backend that reuses traces, which freeze what ``f`` reads of the
+      object), any other object (an options object of a plain class, a non-frozen
+      dataclass, a ``SimpleNamespace``) by identity **and** by its state: its attributes
+      (``__dict__`` and ``__slots__``), each keyed by :func:`value_key`'s rules (numbers
+      exactly, numpy arrays by content, :func:`native_array_key` for another library's
+      arrays, containers element by element, objects in turn by their state), so that
+      ``opts.scale = 3.0`` between two calls is a new key, never the old trace.  An object
+      whose state holds more than :data:`STATE_BUDGET` values or nests deeper than
+      ``_STATE_DEPTH`` cannot be checked on each call: its key is new on every call (the
+      unprepared operator plans it again: slower, never stale), and starts with
+      ``"unchecked"`` (a prepared operator refuses it; see :mod:`abstractdiff._prepare`);
+    * without ``deep`` (a backend that runs ``f`` on each call, which reads the object's
+      state then), other objects by identity.
+
+    Keys hold their objects strongly, as the flat function's template does: an ``id`` in a
+    live key is never another object's.
+
+    Example:
+        >>> class Opts:
+        ...     scale = 2.0
+        >>> opts = Opts()
+        >>> before = static_key(opts)
+        >>> opts.scale = 3.0
+        >>> static_key(opts) == before, static_key(opts, deep=False) == static_key(opts, deep=False)
+        (False, True)
+    """
+    kind = type(leaf)
+    if kind is float or isinstance(leaf, float):
+        return (kind, float.hex(float(leaf)))
+    if isinstance(leaf, _EXACT) or isinstance(leaf, _BY_IDENTITY):
+        return (kind, leaf)
+    hashable = kind.__hash__ is not None
+    if hashable and (not deep or _value_equality(kind) or callable(leaf)):
+        try:
+            hash(leaf)
+        except TypeError:  # a tuple-like holding something unhashable
+            return (kind, _Same(leaf))
+        return (kind, leaf)
+    if not deep:
+        return (kind, _Same(leaf))
+    try:
+        state = _state_key(leaf, 0, [STATE_BUDGET], set())
+    except _Unchecked:
+        return ("unchecked", kind, _Same(leaf), object())  # a new object: equal to no other key
+    return ("object", kind, _Same(leaf), state)
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``obj``'s state: its ``__dict__`` and ``__slots__`` entries, by name."""
+    found = getattr(obj, "__dict__", None)
+    items = sorted(found.items()) if isinstance(found, dict) else []
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                items.append((name, getattr(obj, name)))
+            except AttributeError:  # a slot never assigned
+                items.append((name, _EMPTY_SLOT))
+    return items
+
+
+_EMPTY_SLOT = ("empty slot",)
+
+
+def _state_key(obj: Any, depth: int, budget: list[int], seen: set[int]) -> tuple:
+    if depth >= _STATE_DEPTH:
+        raise _Unchecked
+    if id(obj) in seen:  # a cycle (a parent pointer): the object is keyed where first met
+        return ("seen", _Same(obj))
+    seen.add(id(obj))
+    return tuple((name, _member_key(v, depth, budget, seen)) for name, v in _attributes(obj))
+
+
+def _member_key(value: Any, depth: int, budget: list[int], seen: set[int]) -> Hashable:
+    """One value inside a static object's state (:func:`static_key`)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _Unchecked
+    kind = type(value)
+    if kind is float or isinstance(value, float):
+        return (kind, float.hex(float(value)))
+    if isinstance(value, _EXACT):
+        return (kind, value)
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return array_fingerprint(value)
+    if isinstance(value, np.generic):
+        return (kind, value.dtype.str, value.tobytes())
+    if isinstance(value, _BY_IDENTITY) or callable(value):  # a function, or an object that acts as one
+        return (kind, _Same(value))
+    if kind in (tuple, list, set, frozenset) or isinstance(value, (tuple, list)):
+        if depth + 1 >= _STATE_DEPTH:
+            raise _Unchecked
+        members = [_member_key(v, depth + 1, budget, seen) for v in value]
+        if isinstance(value, (set, frozenset)):
+            members.sort(key=repr)  # an order of its own: the members' keys, exact
+        return (kind, tuple(members))
+    if isinstance(value, dict):
+        if depth + 1 >= _STATE_DEPTH:
+            raise _Unchecked
+        items = [(_member_key(k, depth + 1, budget, seen), _member_key(v, depth + 1, budget, seen))
+                 for k, v in value.items()]
+        items.sort(key=lambda kv: repr(kv[0]))
+        return (kind, tuple(items))
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # another library's array
+        native = native_array_key(value)
+        return (kind, _Same(value)) if native is None else native
+    if _value_equality(kind):
+        try:
+            hash(value)
+        except TypeError:
+            pass
+        else:
+            return (kind, value)
+    return ("object", kind, _Same(value), _state_key(value, depth + 1, budget, seen))

@@ -12,22 +12,39 @@ What is compared:
   bits), tuples of them element by element;
 * numpy arrays by content, whatever their size (:func:`abstractdiff._cache.array_fingerprint`,
   the one keying policy: no size above which an in-place change goes unseen);
-* any other object (another library's array, a function, a model) by identity; such an
+* another library's array by content where it can be written in place behind a compiled
+  trace (an MLX array: ``G[...] = 3.0`` keeps the object), through its owning adapter
+  (:func:`abstractdiff._cache.native_array_key`); by identity where it cannot (jax and
+  TensorFlow tensors are immutable, a library's variables are read when the trace runs);
+* any other object (a function of a library, a model) by identity; such an
   object is also returned in ``alive``, held weakly by the plan, so that a new object
   that reuses a dead one's ``id`` cannot find its plan;
 * functions of ``f``'s own module that ``f`` calls through a global or a closure are
   followed (to a small depth), so a helper reading a global is covered as well; a
-  library's functions are compared by identity only.
+  library's functions are compared by identity only;
+* **the functions a rule calls**: an object that runs user functions on the user's
+  behalf (``ad.custom_vjp``/``ad.custom_jvp`` functions call ``fun``, ``fwd``, ``bwd``,
+  ``jvp``; ``ad.custom_root`` solvers their solver and optimality function) names them
+  with the ``__abstractdiff_captures__`` protocol: a method
+  ``obj.__abstractdiff_captures__() -> iterable of callables``.  Each is followed as the
+  user's code, whatever module it is defined in (a rule's ``bwd`` reading a global
+  ``SCALE`` is seen), and the object's own key includes which functions it names now (a
+  ``defvjp`` that replaces ``bwd`` is a change);
+* a function of abstractdiff itself reached through a closure (an internal wrapper, such
+  as the implicit solver's residual ``lambda z: optimality_fn(...)``) is transparent: the
+  user functions in its closure are followed as above.
 
 Not seen: values reached through attributes (``self.scale``, ``config.lr``) or inside
 mutable containers (a dict's entries).  Pass
-such values to ``f`` as arguments: arguments are traced inputs, never frozen.
+such values to ``f`` as arguments: arguments are traced inputs, never frozen (a static
+argument that is an object is keyed by its state: :func:`abstractdiff._cache.static_key`).
 
 Computing the key walks the function's code, globals and closures (a few microseconds).
 :func:`capture_guard` records, from the same walk, where each value was read and which
 object was found there: while every place still holds the same object, the key is the
-same, and checking that is a handful of identity tests.  An unprepared call checks its
-function's guard, and walks again only when it fails.
+same, and checking that is a handful of identity tests (plus, for each array keyed by its
+content, its content again; for each rule object, the identities of the functions it names).
+An unprepared call checks its function's guard, and walks again only when it fails.
 """
 
 from __future__ import annotations
@@ -39,12 +56,50 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._cache import array_fingerprint
+from ._cache import array_fingerprint, native_array_key
 
 __all__ = ["CaptureGuard", "CaptureWatch", "capture_guard", "captures"]
 
 _MAX_DEPTH = 3
 _SCALARS = (bool, int, str, bytes, complex, type(None))
+#: The protocol of an object that calls user functions on the user's behalf (a custom rule,
+#: an implicit solver): ``obj.__abstractdiff_captures__()`` returns them (see the module).
+PROTOCOL = "__abstractdiff_captures__"
+#: ``module`` of a walk that follows every function it meets (a rule's members, the closure
+#: of one of abstractdiff's own wrappers): they are the user's code, whatever their module.
+_ANY_MODULE = object()
+
+
+def _is_ours(module: str | None) -> bool:
+    """Whether ``module`` is abstractdiff's own (its wrappers of user functions)."""
+    return module is not None and (module == "abstractdiff" or module.startswith("abstractdiff."))
+
+
+def _members(value: Any) -> tuple | None:
+    """The user functions ``value`` names through the protocol, or None where it has none."""
+    method = getattr(type(value), PROTOCOL, None)
+    if method is None:
+        return None
+    return tuple(m for m in value.__abstractdiff_captures__() if m is not None)
+
+
+def _rule_key(value: Any, members: tuple, alive: list[Any], depth: int, seen: set[int],
+              guard: CaptureGuard | None) -> tuple:
+    """The key of an object of the protocol: its identity, and each function it names now,
+    followed as the user's code."""
+    alive.append(value)
+    if guard is not None:
+        guard._add_rule(value, members)
+    parts = []
+    for m in members:
+        if isinstance(m, (types.FunctionType, functools.partial, types.MethodType)) or _members(m) is not None:
+            parts.append(("function", id(m), _function_key(m, alive, depth, seen, guard)))
+            if not isinstance(m, types.FunctionType):
+                alive.append(m)  # a bound method, a partial, a rule: the key names it by identity
+        else:  # another callable object: by identity
+            alive.append(m)
+            parts.append(("id", id(m)))
+    return ("rule", id(value), tuple(parts))
 
 
 
@@ -75,9 +130,25 @@ def _value_key(
     if (
         isinstance(value, (types.FunctionType, functools.partial))
         and depth < _MAX_DEPTH
-        and getattr(value, "__module__", None) == module  # the user's own helpers; not a library's internals
+        # the user's own helpers; not a library's internals (unless reached through a rule or
+        # one of abstractdiff's wrappers: _ANY_MODULE)
+        and (module is _ANY_MODULE or getattr(value, "__module__", None) == module)
     ):
         return ("function", id(value), _function_key(value, alive, depth + 1, seen, guard))
+    if isinstance(value, types.MethodType) and depth < _MAX_DEPTH and _members(value.__self__) is not None:
+        alive.append(value)  # (held weakly by the plan: it names the method object by identity)
+        return ("method", id(value), _function_key(value, alive, depth + 1, seen, guard))
+    if depth < _MAX_DEPTH and not isinstance(value, type):
+        members = _members(value)
+        if members is not None:  # a custom rule, an implicit solver: the functions it calls
+            return _rule_key(value, members, alive, depth + 1, seen, guard)
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type):
+        key = native_array_key(value)  # another library's array that can be written in place
+        if key is not None:
+            alive.append(value)
+            if guard is not None:
+                guard._add_native(value, key)
+            return key
     alive.append(value)
     return ("id", id(value))
 
@@ -114,6 +185,8 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int], guard: C
     seen.add(id(f))
     if type(f) is types.FunctionType:  # the common case first: one type test
         pass
+    elif _members(f) is not None:  # a rule object called directly (ad.gradient(b, rule, x))
+        return _rule_key(f, _members(f), alive, depth + 1, seen, guard)
     elif isinstance(f, functools.partial):
         if guard is not None:
             guard.refused = True  # its keywords are a mutable dict: no identity tells them unchanged
@@ -125,7 +198,11 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int], guard: C
         return (parts, _function_key(f.func, alive, depth, seen, guard))
     else:
         if isinstance(f, types.MethodType):
-            f = f.__func__
+            owner, f = f.__self__, f.__func__
+            members = _members(owner)
+            if members is not None:  # a method of a rule object (an implicit solver's residual)
+                return (_rule_key(owner, members, alive, depth + 1, seen, guard),
+                        _function_key(f, alive, depth + 1, seen, guard))
         if not isinstance(f, types.FunctionType):
             return ()
     globals_ = f.__globals__
@@ -134,6 +211,8 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int], guard: C
     if guard is not None:
         guard._add_function(f, depth == 0, names)
     out = [(name, _value_key(globals_[name], alive, depth, seen, module, guard)) for name in names if name in globals_]
+    # what a wrapper of abstractdiff's closes over is the user's (a rule's functions)
+    cell_module = _ANY_MODULE if _is_ours(module) else module
     for i, cell in enumerate(f.__closure__ or ()):
         try:
             contents = cell.cell_contents
@@ -141,7 +220,7 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int], guard: C
             if guard is not None:
                 guard.refused = True  # reading it raises: kept out of the guard's identity tests
             continue
-        out.append((i, _value_key(contents, alive, depth, seen, module, guard)))
+        out.append((i, _value_key(contents, alive, depth, seen, cell_module, guard)))
     return tuple(out)
 
 
@@ -239,6 +318,15 @@ class CaptureGuard:
     def _add_array(self, value: np.ndarray, key: tuple) -> None:
         self._rest.append(("array", self._hold(value), key))
 
+    def _add_native(self, value: Any, key: tuple) -> None:
+        self._rest.append(("native", self._hold(value), key))
+
+    def _add_rule(self, value: Any, members: tuple) -> None:
+        # the functions it names, by identity (held: a new function may not reuse an id)
+        for m in members:
+            self._hold(m)
+        self._rest.append(("rule", self._hold(value), tuple(map(id, members))))
+
     def unchanged(self, f: Callable[..., Any]) -> bool:
         """Whether ``captures(f)`` would return the key it returned when this guard was built;
         on the hot path of every unprepared call, so written for the common case: one
@@ -264,7 +352,13 @@ class CaptureGuard:
                         return False
                     if any(id(get(name, _ABSENT)) != ident for name, ident in reads):
                         return False
-                elif array_fingerprint(what[0]()) != what[1]:
+                elif kind == "array":
+                    if array_fingerprint(what[0]()) != what[1]:
+                        return False
+                elif kind == "native":
+                    if native_array_key(what[0]()) != what[1]:
+                        return False
+                elif tuple(map(id, _members(what[0]()) or ())) != what[1]:  # a rule: the functions it names
                     return False
         except ValueError:  # a closure cell emptied since
             return False

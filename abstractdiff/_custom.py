@@ -151,6 +151,15 @@ class Rule:
         #: False where the adapter's library cannot take a derivative inside its backward
         #: (paddle): rules that call operators (custom_root) do that work in the forward
         self.nested_derivatives = True
+        #: True where the library runs ``fwd`` only when it differentiates the function and
+        #: differentiates ``fwd`` itself for a higher order (jax): there a custom function called
+        #: inside its own ``fwd`` is the custom function again, one differentiation level out,
+        #: as in jax; elsewhere it is ``f`` (the library would run this ``fwd`` again, forever)
+        self.lazy_forward = False
+        #: False where the library runs the jvp rule with its differentiation hidden (tensorflow:
+        #: a tape or accumulator made inside sees nothing): rules that take derivatives in their
+        #: jvp (custom_root's) refuse forward mode there
+        self.derivatives_in_jvp = True
         self._args = args
         self._leaves = leaves
         self._treedef = treedef
@@ -388,8 +397,16 @@ class _CustomFunction:
                     _refuse_unflattened(self.__name__, leaf, i)
             inputs = [leaves[i] for i in index]
             backend = _library_of(inputs)
+        if backend is None and inputs:
+            from ._sparsity import Tracer, through_custom_function
+
+            if any(isinstance(a, Tracer) for a in inputs):
+                # sparsity detection (ad.Sparse) traces f: the pattern must be the rule's, which
+                # may mix entries f keeps apart, so the custom function is a dense block there
+                return through_custom_function(self.fun, leaves, treedef, self._kind == "stop_gradient")
         running = _RUNNING.get()
-        if backend is None or running is not None and running.forwarding and running.spec is self:
+        if backend is None or (running is not None and running.forwarding and running.spec is self
+                               and not running.lazy_forward):
             # numpy: f's value, and what finite differences differentiate; or called in its own fwd
             # (jax's idiom ``return f(x), residuals``), where its rule would run this fwd again
             return self.fun(*args)
@@ -406,6 +423,12 @@ class _CustomFunction:
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         return self if obj is None else functools.partial(self, obj)  # a method: self is an argument
+
+    def __abstractdiff_captures__(self) -> tuple:
+        """The user's functions this function calls (``fun`` and its rules): a backend that
+        reuses traces keys its traces on what they read from globals and closures, as it keys
+        ``f``'s (the protocol of :mod:`abstractdiff._captures`)."""
+        return (self.fun, self._fwd, self._bwd, self._jvp)
 
 
 class custom_vjp(_CustomFunction):

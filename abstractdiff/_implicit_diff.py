@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _pytree as pytree
 from ._arrays import ar, shape_of
-from ._custom import current_backend, current_rule, custom_vjp
+from ._custom import _CustomFunction, _is_input, current_backend, current_rule, mode_refusal, stop_gradient
 from ._errors import AbstractDiffError, ArgumentTypeError, CustomRuleError, InvalidArgumentError
 
 __all__ = ["bicgstab", "custom_fixed_point", "custom_root", "dense_solve"]
@@ -74,8 +74,15 @@ def bicgstab(matvec: Callable[[Any], Any], b: Any, *, tol: float | None = None, 
     bb = _dot(b, b)
     bnorm = _concrete(bb)
     if bnorm == 0.0:
-        return b * 0
-    done = (lambda a: _concrete(a) <= tol * tol * bnorm) if bnorm is not None else (lambda a: False)  # noqa: E731
+        # the solution is zero, but a library that builds forward mode by transposing a reverse
+        # rule (a double vjp: PyTensor, paddle) differentiates this solve in b at b = 0, where no
+        # iterate depends on b: the dense solve is linear in b as computed, its derivative A^-1
+        return dense_solve(matvec, b)
+
+    def done(a: Any) -> bool:  # a residual traced while b is not (b a constant under jit): run on
+        value = _concrete(a) if bnorm is not None else None
+        return value is not None and value <= tol * tol * bnorm
+
     x, r, r0 = b * 0, b, b
     one = bb * 0 + 1
     rho = alpha = omega = one
@@ -154,6 +161,37 @@ class _Flat:
 
 
 # ------------------------------------------------------------------ the decorators
+class _ImplicitRule(_CustomFunction):
+    """One of the two custom functions of an :class:`_ImplicitSolver`, with a reverse rule
+    (``fwd``/``bwd``) and a forward rule (``jvp``), both from the implicit function theorem.
+
+    * ``solved(init, *theta) -> x*``: the solver, differentiated implicitly;
+    * ``attached(x, *theta) -> x``: the identity in value, whose derivative in ``theta`` is
+      ``dx*/dtheta`` (and none in ``x``).  The rules evaluate the optimality function at
+      ``attached(x*, *theta)`` rather than at the solver's output, which is a constant to the
+      library (the solver may stop its gradient, or never ran under the library's tape): a
+      second derivative differentiates the rules themselves, and needs ``x*``'s dependence on
+      ``theta`` inside them.  The rules of ``attached`` call ``attached`` again, so each order
+      of differentiation finds the implicit derivative one level down (jax's ``custom_root``
+      calls itself in its jvp rule for the same reason).  Each call is the identity unless a
+      library differentiates it, so a first derivative costs one more no-op operation.
+    """
+
+    _kind = "custom_vjp"
+
+    def __init__(self, owner: _ImplicitSolver, attached: bool):
+        super().__init__(owner._attached_value if attached else owner._solve_fixed)
+        self.owner = owner
+        self.__name__ = getattr(owner.solver, "__name__", "solver") + ("_attached" if attached else "")
+        self._fwd = owner._attached_forward if attached else owner._forward
+        self._bwd = owner._backward
+        self._jvp = owner._attached_jvp if attached else owner._jvp
+
+    def __abstractdiff_captures__(self) -> tuple:
+        """The user functions these rules call (for the keys of traces: see _captures)."""
+        return self.owner.__abstractdiff_captures__()
+
+
 class _ImplicitSolver:
     """``solver`` with derivatives from the implicit function theorem (see the module)."""
 
@@ -166,25 +204,130 @@ class _ImplicitSolver:
         self.solve = solve
         self.what = what
         functools.update_wrapper(self, solver)
-        # one function object for the pullbacks: the backend's plans are keyed on it
-        self._residual = lambda z: optimality_fn(z[0], *z[1])
-        solved = custom_vjp(self._solve_fixed)
-        solved.__name__ = getattr(solver, "__name__", "solver")
-        solved.defvjp(self._forward, self._backward)
-        self._solved = solved
+        # one function object for the pullbacks and pushforwards: the backend's plans are keyed on it
+        self._residual = self._checked_residual
+        self._residual_theta_first = lambda theta, x: self._checked_residual((x, theta))
+        self._residual_x_first = lambda x, *theta: self._checked_residual((x, theta))
+        self._solved = _ImplicitRule(self, attached=False)
+        self._attached = _ImplicitRule(self, attached=True)
 
     def __call__(self, init: Any, *theta: Any) -> Any:
         return self._solved(init, *theta)
 
+    def __abstractdiff_captures__(self) -> tuple:
+        """The user functions this solver calls: a global they read is part of a trace's key."""
+        return (self.solver, self.optimality_fn, self.solve)
+
+    # ------------------------------------------------------------ the optimality function
+    def _checked_residual(self, z: tuple) -> Any:
+        """``optimality_fn(x, *theta)`` for ``z = (x, theta)``, checked to be shaped like ``x``:
+        the implicit function theorem needs as many equations as unknowns."""
+        x, theta = z
+        out = self.optimality_fn(x, *theta)
+        want, got = pytree.tree_structure(x), pytree.tree_structure(out)
+        if got != want:
+            raise CustomRuleError(
+                f"{self.what}: optimality_fn(x, *theta) must return a pytree of the structure of x (one equation "
+                f"per unknown), but x has structure {want} and it returned {got}; return the residuals in x's "
+                f"structure (for example the objective's gradient with respect to x)"
+            )
+        for a, r in zip(pytree.tree_leaves(x), pytree.tree_leaves(out)):
+            sa, sr = _static_shape(a), _static_shape(r)
+            if sa is not None and sr is not None and sa != sr:
+                raise CustomRuleError(
+                    f"{self.what}: optimality_fn(x, *theta) returned a leaf of shape {sr} where x's leaf has shape "
+                    f"{sa}; it must return one equation per unknown, shaped like x"
+                )
+        return out
+
+    # ------------------------------------------------------------ the custom functions' parts
     def _solve_fixed(self, init: Any, *theta: Any) -> Any:
         return self.solver(init, *theta)
+
+    @staticmethod
+    def _attached_value(x: Any, *theta: Any) -> Any:
+        return x
 
     def _forward(self, init: Any, *theta: Any) -> tuple[Any, Any]:
         x = self.solver(init, *theta)
         rule = current_rule()
         if rule is not None and not rule.nested_derivatives:
             return x, (x, theta, self._linearised(rule.backend, x, theta))
+        # attached: a library that differentiates fwd itself for a higher order (jax) sees the
+        # implicit derivative of the output too, not the solver's (zero where it stops it)
+        x = self._attached(x, *theta)
         return x, (x, theta, None)
+
+    def _attached_forward(self, x: Any, *theta: Any) -> tuple[Any, Any]:
+        # itself again where the library differentiates fwd for a higher order (jax: see
+        # Rule.lazy_forward), else x (the library then differentiates the rules instead)
+        return self._attached(x, *theta), (x, theta, None)
+
+    def _backward(self, residuals: Any, ct: Any) -> tuple:
+        x, theta, linearised = residuals
+        if linearised is None:
+            theta_ct = self._theta_cotangent(self._attached(x, *theta), theta, ct)
+        else:
+            theta_ct = self._linearised_cotangent(linearised, x, ct)
+        return (None, *theta_ct)
+
+    def _refuse_forward_mode(self) -> None:
+        rule = current_rule()
+        if rule is not None and not rule.derivatives_in_jvp:
+            raise mode_refusal("forward", (
+                f"{self.what}: the {rule.backend.name} backend cannot take the derivatives that forward mode "
+                f"through an implicit solver needs (its library hides differentiation inside a forward-mode "
+                f"rule): use reverse mode (gradient, pullback, hessian, a reverse Jacobian), or another backend"
+            ))
+
+    def _jvp(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        self._refuse_forward_mode()
+        init, *theta = primals
+        x = self._attached(self.solver(init, *theta), *theta)
+        return x, self._x_tangent(x, tuple(theta), tuple(tangents[1:]))
+
+    def _attached_jvp(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        self._refuse_forward_mode()
+        x, *theta = primals
+        x = self._attached(x, *theta)
+        return x, self._x_tangent(x, tuple(theta), tuple(tangents[1:]))
+
+    # ------------------------------------------------------------ the implicit function theorem
+    def _theta_cotangent(self, x: Any, theta: tuple, ct: Any) -> tuple:
+        """``-(dF/dtheta)^T u`` with ``(dF/dx)^T u = ct``, at ``(x, theta)``, one per ``theta``."""
+        from ._operators import pullback
+
+        flat = _Flat(x)
+        vjp = pullback(current_backend(), self._residual, (x, theta))
+
+        def matvec(u: Any) -> Any:  # (dF/dx)^T u
+            return flat.ravel(vjp(flat.unravel(u))[0])
+
+        u, poison = self._linear_solution(matvec, flat.ravel(ct))
+        return self._negated(vjp(flat.unravel(u))[1], poison)
+
+    def _x_tangent(self, x: Any, theta: tuple, theta_dot: tuple) -> Any:
+        """``dx* = -(dF/dx)^-1 (dF/dtheta) dtheta`` at ``(x, theta)``: forward mode."""
+        from ._operators import pushforward
+
+        leaves, treedef = pytree.tree_flatten(theta)
+        if not any(map(_is_input, leaves)):  # nothing in theta is differentiated: x* is a constant
+            return pytree.tree_map(lambda a: a * 0, x)
+        backend = current_backend()
+        # a tangent for each float leaf (zeros where the caller's has none), None for the others
+        tangent = pytree.tree_unflatten(treedef, [
+            (t if t is not None else backend.zeros_like(a)) if _is_input(a) else None
+            for a, t in zip(leaves, treedef.flatten_up_to(theta_dot))
+        ])
+        flat = _Flat(x)
+        rhs = flat.ravel(pushforward(backend, self._residual_theta_first, theta, x)(tangent))
+        along_x = pushforward(backend, self._residual_x_first, x, *theta)
+
+        def matvec(v: Any) -> Any:  # (dF/dx) v
+            return flat.ravel(along_x(flat.unravel(v)))
+
+        v, poison = self._linear_solution(matvec, rhs)
+        return flat.unravel(-v if poison is None else poison - v)
 
     def _linearised(self, backend: Any, x: Any, theta: tuple) -> tuple[Any, list]:
         """``dF/dx`` as a dense matrix and the rows of ``dF/dtheta``, taken in the forward for a
@@ -200,37 +343,41 @@ class _ImplicitSolver:
         jx = ar().do("stack", [flat.ravel(r[0]) for r in rows])
         return jx, [r[1] for r in rows]
 
-    def _backward(self, residuals: Any, ct: Any) -> tuple:
-        from ._operators import pullback
-
-        x, theta, linearised = residuals
+    def _linearised_cotangent(self, linearised: tuple, x: Any, ct: Any) -> tuple:
+        """:meth:`_theta_cotangent` from the matrices :meth:`_linearised` took.  The matrix is
+        there, so the default solve is the dense one: it is linear in ``ct`` as computed, which a
+        library that builds forward mode by transposing this backward (a double vjp) relies on."""
+        jx, theta_rows = linearised
+        jxt = ar().do("transpose", jx)
         flat = _Flat(x)
         b = flat.ravel(ct)
-        if linearised is None:
-            vjp = pullback(current_backend(), self._residual, (x, theta))
 
-            def matvec(u: Any) -> Any:  # (dF/dx)^T u
-                return flat.ravel(vjp(flat.unravel(u))[0])
+        def matvec(u: Any) -> Any:
+            return ar().do("tensordot", jxt, u, axes=1)
 
-            u, poison = self._linear_solution(matvec, b)
-            theta_ct = vjp(flat.unravel(u))[1]
+        if self.solve is bicgstab:
+            u, poison = self._checked_dense(jxt, b, matvec)
         else:
-            jx, theta_rows = linearised
-            jxt = ar().do("transpose", jx)
-
-            def matvec(u: Any) -> Any:
-                return ar().do("tensordot", jxt, u, axes=1)
-
             u, poison = self._linear_solution(matvec, b)
-            theta_ct = pytree.tree_map(
-                lambda *leaves: ar().do("tensordot", u, ar().do("stack", leaves), axes=1), *theta_rows)
-        negated = pytree.tree_map(lambda a: -a if poison is None else poison - a, theta_ct)
-        return (None, *negated)
+        theta_ct = pytree.tree_map(lambda *leaves: ar().do("tensordot", u, ar().do("stack", leaves), axes=1),
+                                   *theta_rows)
+        return self._negated(theta_ct, poison)
 
-    def _linear_solution(self, matvec: Callable[[Any], Any], b: Any) -> tuple[Any, Any]:
+    @staticmethod
+    def _negated(tree: Any, poison: Any) -> Any:
+        return pytree.tree_map(lambda a: -a if poison is None else poison - a, tree)
+
+    def _checked_dense(self, a: Any, b: Any, matvec: Callable[[Any], Any]) -> tuple[Any, Any]:
+        def solve(_: Any, b: Any) -> Any:
+            return ar().do("linalg.solve", a, ar().do("reshape", b, (shape_of(b)[0], 1)))[:, 0]
+
+        return self._linear_solution(matvec, b, solve)
+
+    def _linear_solution(self, matvec: Callable[[Any], Any], b: Any,
+                         solve: LinearSolve | None = None) -> tuple[Any, Any]:
         """``u`` with ``matvec(u) = b``, by the chosen solver, checked (:meth:`_check_solution`)."""
         try:  # the check too: a lazy library (MLX) raises when the solution is first evaluated
-            return self._check_solution(matvec, self.solve(matvec, b), b)
+            return self._check_solution(matvec, (solve or self.solve)(matvec, b), b)
         except Exception as err:  # a dense solve of a singular matrix: each library's own error
             text = f"{type(err).__name__}: {err}"
             if isinstance(err, AbstractDiffError) or not any(w in text.lower() for w in _SINGULAR_WORDS):
@@ -249,8 +396,10 @@ class _ImplicitSolver:
         """``(u, poison)``, checked: a singular (or badly conditioned) ``dF/dx`` at ``x*`` is a
         clear error on concrete arrays, never a silently wrong derivative.  Under a trace (jit,
         a graph) the values are not known here, so ``poison`` is a scalar that is ``nan`` where
-        the solution does not solve the system (else 0), for the backward to add to its
-        cotangents: the caller sees ``nan``.  On concrete arrays it is None."""
+        the solution does not solve the system (else 0), for the rules to add to their results:
+        the caller sees ``nan``.  On concrete arrays it is None.  The poison's gradient is
+        stopped: a ``where`` whose other branch is ``nan`` has a ``nan`` derivative, which would
+        poison every second derivative, also where the solve succeeded."""
         name = ar().get_dtype_name(b)
         loose = max(_eps(b) ** 0.5, 1e-6)
         r = matvec(u) - b
@@ -260,11 +409,22 @@ class _ImplicitSolver:
             # rr <= bound is false where rr is nan too; added, not multiplied: a graph library
             # may simplify 0 * nan to 0 (PyTensor does), which would hide it again
             nan = ar().do("astype", bb * np.nan, name)  # in b's dtype (PyTensor widens a Python float)
-            return u, ar().do("where", rr <= loose * loose * bb, bb * 0, nan)
+            return u, stop_gradient(ar().do("where", rr <= loose * loose * bb, bb * 0, nan))
         relative = math.sqrt(rnorm) / max(math.sqrt(bnorm), 1e-300)
         if not math.isfinite(relative) or relative > loose:
             raise self._singular(f"the linear solve left a relative residual of {relative:.3g}")
         return u, None
+
+
+def _has_floats(tree: Any) -> bool:
+    return any(_is_input(a) for a in pytree.tree_leaves(tree))
+
+
+def _static_shape(a: Any) -> tuple | None:
+    try:
+        return tuple(shape_of(a))
+    except Exception:  # a symbolic shape (PyTensor) or not an array: not checked here
+        return None
 
 
 def custom_root(optimality_fn: Callable[..., Any], solve: str | LinearSolve | None = None

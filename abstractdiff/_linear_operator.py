@@ -5,11 +5,14 @@ AbstractDifferentiation.jl's ``lazy_jacobian``/``lazy_hessian`` as
 ``minres``, ``gmres``, ``lsqr``), ``eigsh`` and the trust-region optimisers
 (``minimize(..., method="trust-krylov", hessp=...)``), on any backend.  The operator acts
 on the float leaves of ``x`` raveled and concatenated in pytree order (and, for a Jacobian,
-on the output's float leaves likewise): numpy vectors cross, in ``x``'s float dtype.
+on the entries of ``f``'s one output array): numpy vectors cross, in ``x``'s float dtype.
 
-The derivative is linearised once, when the operator is made (the pullback, and the
-pushforward or the prepared Hessian-vector product on first use); each product is then one
-call of it, and ``matmat`` one batched call (``ad.Batch``) where the operator is a Jacobian.
+An operator is the derivative at the point it was made at: it copies the arrays of ``x``
+and ``args`` when it is made (:func:`_own`), so a later in-place write by the caller
+(``x[...] = 2.0``) changes neither direction.  The derivative is linearised once (the
+pullback when the operator is made, the pushforward or the prepared Hessian-vector product on
+first use, all at that copy); each product is then one call of it, and ``matmat`` one batched
+call (``ad.Batch``) where the operator is a Jacobian.
 """
 
 from __future__ import annotations
@@ -22,11 +25,36 @@ from . import _pytree as pytree
 from ._backend import Backend
 from ._batch import Batch
 from ._convert import to_numpy
-from ._errors import NonDifferentiableInputError, ShapeMismatchError
+from ._errors import InvalidOutputError, NonDifferentiableInputError, ShapeMismatchError
 from ._registry import backend as _get_backend
 from ._tree import is_float_leaf
 
 __all__ = ["hessian_operator", "jacobian_operator"]
+
+
+def _own(tree: Any) -> Any:
+    """``tree`` with each array leaf copied (containers rebuilt): the operator's own point.
+
+    The pushforward and the Hessian-vector products are linearised lazily and take the point on
+    each call, and numpy, torch, paddle, MLX and autograd arrays take in-place writes: without
+    a copy, ``J @ v`` after the caller's ``x[...] = 2.0`` was the derivative at the new point
+    and ``J.T @ u`` at the old one.  A copy, never a write into the caller's arrays; an object
+    that is not an array (an options object, a model) is kept as it is."""
+    import autoray
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            return v.copy()
+        if isinstance(v, (bool, int, float, complex, str, bytes, type(None), np.generic)):
+            return v  # immutable
+        if hasattr(v, "shape") and hasattr(v, "dtype"):  # another library's array (a tf.Variable too)
+            try:
+                return autoray.do("copy", v)
+            except (AttributeError, ImportError, NotImplementedError, TypeError):
+                return v  # a library autoray has no copy for: its arrays are kept as passed
+        return v
+
+    return pytree.tree_map(leaf, tree)
 
 
 class _Raveled:
@@ -92,8 +120,11 @@ def jacobian_operator(b: Backend | str, f: Callable[..., Any], x: Any, *args: An
     ``jacobian_operator(b, f, x, *args) -> LinearOperator`` of shape ``(y.size, x.size)``
     over the float leaves of ``y = f(x, *args)`` and of ``x``, raveled in pytree order:
     ``matvec`` is the pushforward, ``rmatvec`` the pullback, ``matmat`` one batched
-    pushforward (``ad.Batch``).  Vectors are numpy, in ``x``'s float dtype.  The pullback is
-    linearised when the operator is made, the pushforward on the first ``matvec``.
+    pushforward (``ad.Batch``).  Vectors are numpy, in ``x``'s float dtype.  ``f`` returns one
+    array (for a pytree, concatenate its raveled leaves in ``f``).  The operator is the
+    Jacobian at ``x`` as it was when the operator was made: it keeps its own copy of the arrays
+    of ``x`` and ``args``, so later in-place writes to them change neither direction.  The
+    pullback is linearised when the operator is made, the pushforward on the first ``matvec``.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -104,7 +135,17 @@ def jacobian_operator(b: Backend | str, f: Callable[..., Any], x: Any, *args: An
     from ._operators import pushforward, value_and_pullback
 
     b = _get_backend(b) if isinstance(b, str) else b
-    y, vjp = value_and_pullback(b, f, x, *args)
+    x, args = _own(x), _own(args)  # both directions at this point, whatever the caller writes later
+    try:
+        y, vjp = value_and_pullback(b, f, x, *args)
+    except InvalidOutputError as e:
+        # The operator's rows are the entries of one output array, as for ad.jacobian; say how
+        # a pytree output fits (the scipy guide once promised pytree outputs).
+        raise InvalidOutputError(
+            f"ad.jacobian_operator: {e}. The operator's rows are the entries of f's one output array; "
+            f"for a pytree output, concatenate its raveled leaves in f "
+            f"(anp.concatenate([anp.reshape(v, (-1,)) for v in leaves]))"
+        ) from e
     inputs = _Raveled(b, x, "x")
     outputs = _Raveled(b, y, "f's output")
     dtype = np.result_type(inputs.dtype, outputs.dtype)
@@ -134,8 +175,9 @@ def hessian_operator(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any
     ``hessian_operator(b, f, x, *args) -> LinearOperator`` of shape ``(x.size, x.size)``
     over the float leaves of ``x`` raveled in pytree order; ``matvec`` and ``rmatvec``
     (the Hessian is symmetric) are one call each of the prepared Hessian-vector product,
-    prepared when the operator is made.  For ``minres``, ``cg``, ``eigsh`` and
-    ``scipy.optimize.minimize(..., hessp=lambda x, p: ...)``.
+    prepared when the operator is made.  It is the Hessian at ``x`` as it was when the operator
+    was made (its own copy of the arrays of ``x`` and ``args``).  For ``minres``, ``cg``,
+    ``eigsh`` and ``scipy.optimize.minimize(..., hessp=lambda x, p: ...)``.
 
     Example:
         >>> import abstractdiff as ad, numpy as np
@@ -146,6 +188,7 @@ def hessian_operator(b: Backend | str, f: Callable[..., Any], x: Any, *args: Any
     from ._prepare import prepare_hvp
 
     b = _get_backend(b) if isinstance(b, str) else b
+    x, args = _own(x), _own(args)  # each product at this point, whatever the caller writes later
     inputs = _Raveled(b, x, "x")
     prepared = prepare_hvp(b, f, x, inputs.unravel(np.zeros(inputs.size)), *args)
 

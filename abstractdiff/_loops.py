@@ -19,7 +19,9 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
-from ._arrays import shape_of
+import numpy as np
+
+from ._arrays import dtype_name, shape_of
 from ._errors import ArgumentTypeError, InvalidArgumentError, ShapeMismatchError
 from ._pytree import tree_flatten, tree_unflatten
 from ._registry import backend_for
@@ -98,9 +100,38 @@ def _steps(leaves: list, length: int | None) -> int:
 
 
 def _stack(values: list) -> Any:
+    """One step's ``y`` leaves of every step, stacked by the library that differentiates them.
+
+    A step may give a Python number or a numpy array where the other steps give the library's
+    arrays (a scan recording its incoming carry from an ``init`` of ``0.0``: step 0's ``y`` is
+    that float).  autoray would pick numpy from the first value, and numpy would convert the
+    library's arrays, dropping their derivative (or fail on them); such constants are made
+    the library's arrays instead, in the dtype and on the device of the first array of it.
+    """
     import autoray
 
-    return autoray.do("stack", values, axis=0)
+    like = next((v for v in values if backend_for(v) is not None), None)
+    if like is None:  # numpy (and Python numbers) throughout
+        return autoray.do("stack", values, axis=0)
+    owner = backend_for(like)
+    values = [v if backend_for(v) is owner else _constant_like(owner, v, like) for v in values]
+    return autoray.do("stack", values, axis=0, like=like)
+
+
+def _constant_like(owner: Any, v: Any, like: Any) -> Any:
+    """The constant ``v`` (a Python number, a numpy array) as an array of ``like``'s library,
+    dtype and device."""
+    if np.ndim(v) == 0:
+        if tuple(shape_of(like)) != ():
+            return v  # shapes differ: the library's stack says so (zeros_like would broadcast)
+        # the library's own arithmetic on zeros of like keeps like's dtype and device, and
+        # works on a traced like (inside jax.jit, tf.function, mx.compile)
+        return owner.zeros_like(like) + np.asarray(v).item()
+    dtype = dtype_name(like)
+    try:
+        return owner.asarray_like(np.asarray(v, dtype=dtype), like)
+    except TypeError:  # a dtype numpy has no name for (bfloat16): the library casts
+        return owner.cast(owner.asarray_like(np.asarray(v), like), dtype)
 
 
 def scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any = None, length: int | None = None) -> tuple:

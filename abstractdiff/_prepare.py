@@ -18,7 +18,26 @@ globals and closures at that call, on every backend.  An eager backend reads the
 on a backend that reuses traces (``reuses_traces``: jax ``jit``, ``tf.function``,
 PyTensor, ``compile=True``) each call checks a :class:`~abstractdiff._captures.CaptureWatch`
 and prepares again (a new trace) when a value changed.  Not seen, as by ``jax.jit``:
-values reached through attributes or inside mutable containers; pass those as arguments.
+values reached through attributes or inside mutable containers of globals and closures;
+pass those as arguments.
+
+Static leaves of the arguments (neither floats nor arrays) are keyed by
+:func:`abstractdiff._cache.static_key`, the plan cache's key:
+
+* numbers, strings and ``None`` by value, exactly; an object of a class with its own
+  equality and hash (a frozen dataclass, an enum) by that equality; functions, classes,
+  modules and other callable objects (a model) by identity;
+* on a backend that reuses traces, any other object (an options object of a plain class,
+  a non-frozen dataclass, a ``SimpleNamespace``) by identity *and* by its state, its
+  attributes keyed by value (numpy arrays by content), so that ``opts.scale = 3.0`` between
+  calls is seen although the object is the same: the unprepared operator plans and traces
+  again, a prepared one raises :class:`~abstractdiff.ShapeMismatchError` (a new static
+  value, as for a dict's entry: prepare again).  An object too large or deep to key on each
+  call (:data:`abstractdiff._cache.STATE_BUDGET`) is planned again on every unprepared
+  call (never a stale trace) and refused by ``prepare_*`` with
+  :class:`~abstractdiff.ArgumentTypeError`;
+* on a backend that runs ``f`` on each call (it reads the object's attributes then),
+  other objects by identity alone.
 """
 
 from __future__ import annotations
@@ -31,10 +50,11 @@ from typing import Any, Callable, ClassVar
 from . import _pytree as pytree
 from ._arrays import check_scalar, dtype_name, shape_of
 from ._batch import Batch, BatchedPullback, BatchedPushforward
+from ._cache import static_key
 from ._captures import CaptureWatch
-from ._errors import CustomRuleError, ShapeMismatchError
+from ._errors import ArgumentTypeError, CustomRuleError, ShapeMismatchError
 from ._operator_table import OPERATORS, operators_where
-from ._tree import _LEAF_ARRAY_TYPES, _LEAF_TREEDEF, FlatFunction, _static_key, is_array
+from ._tree import _LEAF_ARRAY_TYPES, _LEAF_TREEDEF, FlatFunction, is_array
 
 __all__ = [op.prepare_name for op in OPERATORS.values()]
 
@@ -337,9 +357,24 @@ class Signature:
         self.fn = fn
         leaves = pytree.tree_leaves(x) + pytree.tree_leaves(args)
         dynamic = set(fn.diff_index) | set(fn.data_index)
-        # Static leaves are compared by the plan cache's key: exact bits for floats (-0.0 is
-        # not 0.0), identity for unhashable objects.
-        self.static = [(i, leaf, _static_key(leaf)) for i, leaf in enumerate(leaves) if i not in dynamic]
+        # Static leaves are compared by the plan cache's key (see the module docstring): exact
+        # bits for floats (-0.0 is not 0.0); where traces are reused, an object's state too.
+        self._deep = deep = bool(backend.reuses_traces)
+        self.static = [(i, leaf, static_key(leaf, deep)) for i, leaf in enumerate(leaves) if i not in dynamic]
+        #: the static leaves keyed by their state, which the same object can change: each call
+        #: keys them again (the others are compared by identity first)
+        self._stateful = frozenset(i for i, _, key in self.static if _keyed_by_state(key))
+        if not any_shape:  # a prepared operator (an unprepared one plans such an object on each call)
+            for i, leaf, key in self.static:
+                if key[0] == "unchecked":
+                    raise ArgumentTypeError(
+                        f"prepared {operator}: static {self._where(i)} is a {type(leaf).__name__} object too large "
+                        f"or too deeply nested to check for changes on each call, and {backend!r} reuses its "
+                        f"traces, which would keep its old attribute values after it changes; pass the values f "
+                        f"reads from it as arguments (arrays, numbers, a dict), give its class value equality and "
+                        f"a hash (a frozen dataclass), or call the unprepared operator (which traces it again on "
+                        f"every call)"
+                    )
         self.x_signature = [_signature(v) for v in xs]
         self.data_signature = [_signature(v) for v in data]
         # The backend's own shape and dtype objects, compared as they are on the hot path;
@@ -419,11 +454,25 @@ class Signature:
             leaves = leaves + a_leaves
         xs = self._checked(leaves, fn.diff_index, self.x_raw, self.x_signature, self.x_native)
         data = self._checked(leaves, fn.data_index, self.data_raw, self.data_signature, self.data_native)
+        stateful = self._stateful
         for i, value, key in self.static:
             leaf = leaves[i]
-            if leaf is not value and _static_key(leaf) != key:
+            if (leaf is not value or i in stateful) and static_key(leaf, self._deep) != key:
+                if leaf is value:  # the same object, its attributes changed since
+                    raise ShapeMismatchError(
+                        f"prepared {self.operator} was prepared for static {self._where(i)}, a "
+                        f"{type(value).__name__} object, with other attribute values than it holds now "
+                        f"({self.backend!r} reuses its trace, which holds the old ones); prepare again for "
+                        f"the new values, pass the values that change as arguments (arrays or numbers: "
+                        f"traced, never frozen), or call the unprepared operator"
+                    )
                 raise self.mismatch(f"static {self._where(i)} =", repr(value), repr(leaf))
         return xs, data
+
+
+def _keyed_by_state(key: Any) -> bool:
+    """Whether a static leaf's key reads its object's state (see abstractdiff._cache.static_key)."""
+    return type(key) is tuple and len(key) == 4 and key[0] in ("object", "unchecked")
 
 
 # ------------------------------------------------------------ prepared operators

@@ -25,6 +25,7 @@ whenever a call's data differ.  Equal ``Sparse`` backends share their plans: an 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any, Callable, Hashable, NamedTuple
 
@@ -38,6 +39,7 @@ from ._convert import content_of
 from ._derived import GradientFunction, PackedInput
 from ._errors import (
     ArgumentTypeError,
+    CustomRuleError,
     InvalidArgumentError,
     ModeMismatchError,
     ShapeMismatchError,
@@ -211,6 +213,8 @@ class _Plan:
         #: the seeds as the inner backend's arrays, per chunk and input signature (built on first use)
         self.native: dict = {}
         self.hvp_mode = "forward"  # a Hessian's: forward over reverse, or reverse over reverse
+        #: this plan in the one mode a custom rule has, once a rule refused the other (see _in_the_rules_mode)
+        self.rules_mode: _Plan | None = None
         sp = _sp()
         p = pattern.astype(np.float64)
         self.forward_seeds = None if columns is None else _seeds(columns, self.n_forward)
@@ -307,10 +311,10 @@ def _substitution(module: Any, name: str, pattern: Any, coloring: Any) -> Callab
     return lambda forward, reverse: _csr_data(decompress(pattern, coloring, forward.T), pattern)
 
 
-def _jacobian_coloring(sparse: Sparse, pattern: Any, given: bool) -> _Plan:
-    """The cheapest plan ``sparse``'s mode and coloring allow: columns (forward), rows
-    (reverse) or both (bidirectional); ties go to forward, then reverse."""
-    inner, kind, order, mode = sparse.inner, sparse.kind, sparse.order, sparse.mode
+def _jacobian_coloring(sparse: Sparse, pattern: Any, given: bool, mode: str | None = None) -> _Plan:
+    """The cheapest plan ``sparse``'s mode (or ``mode``) and coloring allow: columns (forward),
+    rows (reverse) or both (bidirectional); ties go to forward, then reverse."""
+    inner, kind, order, mode = sparse.inner, sparse.kind, sparse.order, mode or sparse.mode
     if kind in ("star", "acyclic"):
         raise InvalidArgumentError(
             f"coloring={sparse.coloring!r} is a symmetric coloring, for Hessians; a Jacobian takes coloring='auto' "
@@ -524,12 +528,39 @@ def sparse_jacobian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: lis
     """The CSR Jacobian of ``fn`` at ``xs`` by ``plan``'s compressed products."""
     if plan.count == 0:
         return _sp().csr_matrix(plan.pattern.shape)
-    fused = _fused(sparse, plan, fn, xs, data, 1)
-    if fused is not None:
-        return fused
-    forward, reverse = jacobian_products(sparse.inner, fn, xs, data, plan.forward_seeds, plan.reverse_seeds,
-                                         plan.native)
+    plan = plan.rules_mode or plan  # a custom rule refused this plan's mode before
+    try:
+        fused = _fused(sparse, plan, fn, xs, data, 1)
+        if fused is not None:
+            return fused
+        forward, reverse = jacobian_products(sparse.inner, fn, xs, data, plan.forward_seeds, plan.reverse_seeds,
+                                             plan.native)
+    except CustomRuleError as err:  # a custom rule in one mode only: the Jacobian in that one
+        return sparse_jacobian(sparse, _in_the_rules_mode(sparse, plan, err, 1), fn, xs, data)
     return plan.decompress(forward, reverse, approximates(sparse.inner, 1), order=1)
+
+
+def _in_the_rules_mode(sparse: Sparse, plan: _Plan, err: CustomRuleError, order: int) -> _Plan:
+    """``plan`` in the one mode a custom rule has, where ``err`` (the rule's refusal of the
+    other, ``err.mode``) stopped it and ``mode="auto"`` left the choice to us, as a dense
+    Jacobian or Hessian takes it; else ``err`` is raised again.  Kept on ``plan``: a later call
+    goes straight to it.  A Jacobian colors the pattern again for pullbacks or pushforwards;
+    a Hessian's coloring stays and its products become reverse over reverse."""
+    refused, inner = getattr(err, "mode", None), sparse.inner
+    if sparse.mode != "auto":
+        raise err
+    if order == 1:
+        want = {"reverse": "forward", "forward": "reverse"}.get(refused)  # type: ignore[arg-type]
+        if want is None or plan.mode == want or not (inner.has_forward if want == "forward" else inner.has_reverse):
+            raise err
+        plan.rules_mode = _jacobian_coloring(sparse, plan.pattern, plan.given, mode=want)
+    else:
+        if refused != "forward" or plan.hvp_mode != "forward" or not inner.has_reverse:
+            raise err
+        other = copy.copy(plan)
+        other.native, other.hvp_mode = {}, "reverse"  # its own compiled calls: the refused ones are cached
+        plan.rules_mode = other
+    return plan.rules_mode
 
 
 # ------------------------------------------------------------------ Hessians
@@ -553,11 +584,15 @@ def sparse_hessian(sparse: Sparse, plan: _Plan, fn: FlatFn, xs: list, data: list
     """The CSR Hessian of scalar ``fn`` at ``xs`` from ``plan``'s compressed Hessian-vector products."""
     if plan.count == 0:
         return _sp().csr_matrix(plan.pattern.shape)
-    fused = _fused(sparse, plan, fn, xs, data, 2)
-    if fused is not None:
-        return fused
-    compressed = hessian_products(sparse, fn, xs, data, plan.forward_seeds, plan.hvp_mode,  # type: ignore[arg-type]
-                                  plan.native)
+    plan = plan.rules_mode or plan  # a custom rule refused this plan's mode before
+    try:
+        fused = _fused(sparse, plan, fn, xs, data, 2)
+        if fused is not None:
+            return fused
+        compressed = hessian_products(sparse, fn, xs, data, plan.forward_seeds, plan.hvp_mode,  # type: ignore[arg-type]
+                                      plan.native)
+    except CustomRuleError as err:  # forward over reverse refused by a reverse-only rule: reverse over reverse
+        return sparse_hessian(sparse, _in_the_rules_mode(sparse, plan, err, 2), fn, xs, data)
     return plan.decompress(compressed, None, approximates(sparse.inner, 2), order=2)
 
 

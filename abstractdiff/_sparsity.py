@@ -24,6 +24,13 @@ operation also records the pairs of inputs it makes interact: ``a * b`` the pair
 none.  The Hessian pattern is the union of the recorded pairs, restricted to the inputs
 the output depends on.
 
+A custom function (``ad.custom_vjp``, ``ad.custom_jvp``, and what is built on them:
+``ad.custom_root``, ``ad.custom_fixed_point``) is differentiated by its rule, not by ``f``,
+and a rule may mix entries that ``f`` keeps apart (a ``bwd`` of ``ct + ct.sum()`` over an
+elementwise ``f``, a straight-through estimator over ``round``): its outputs depend on all
+its inputs, a dense block (:func:`through_custom_function`), and for a Hessian all those
+inputs interact.  ``f`` runs on the values only, for the outputs' values and shapes.
+
 Both patterns are *conservative*: never a missing nonzero, possibly a structural zero (a
 constant is treated as nonzero, a ``where`` depends on both branches).  Values never
 steer the result: control flow on a traced value, and operations without a rule, raise
@@ -37,9 +44,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import _pytree as pytree
 from ._errors import SparsityDetectionError
 
-__all__ = ["hessian_sparsity", "jacobian_sparsity"]
+__all__ = ["hessian_sparsity", "jacobian_sparsity", "through_custom_function"]
 
 _ADVICE = "pass the pattern yourself: ad.Sparse(backend, sparsity=pattern)"
 #: numpy converts a traced value when it is written into a numpy array: the dependencies
@@ -794,6 +802,52 @@ _CREATIONS = frozenset({"zeros", "ones", "empty", "full", "eye", "identity", "ar
 for _name in ("trapz",):
     if hasattr(np, _name):
         _FUNCTIONS[_name] = _reducer(getattr(np, _name), False)
+
+
+# ------------------------------------------------------------------ custom functions
+def through_custom_function(fun: Callable[..., Any], leaves: list, treedef: Any, stops: bool = False) -> Any:
+    """A custom function ``fun`` called on tracers (``leaves``: its positional arguments
+    flattened by ``treedef``): its outputs, each element depending on every input element (a
+    dense block); ``stops``: ``ad.stop_gradient``'s, which depend on nothing.
+
+    The derivative through a custom function is its rule's (``bwd``, the jvp rule, the implicit
+    function theorem's), which need not have ``f``'s pattern: tracing ``f`` gave an elementwise
+    ``f`` with a mixing ``bwd`` a diagonal pattern, and the compressed products folded the
+    rule's other entries onto the diagonal, silently.  Tracing the rule instead would not do
+    either: one mode's rule says nothing of the other's, and a second derivative also goes
+    through how the rule depends on its residuals.  So the block is dense, and for a Hessian
+    every pair of its inputs interacts.  ``fun`` runs on the plain values, for the outputs'
+    values and shapes; a tracer it reads from a closure keeps its own dependencies (added to
+    the block's).  Any function opaque to the tracer whose derivative is not that of its
+    operations can be traced this way (``ad.differentiate_with``'s, whose ``f`` is another
+    library's)."""
+    traced = [a for a in leaves if isinstance(a, Tracer)]
+    trace = traced[0].trace
+    out = fun(*pytree.tree_unflatten(treedef, [a.value.copy() if isinstance(a, Tracer) else a for a in leaves]))
+    block = None  # one row: the union of the inputs' dependencies
+    if not stops:
+        present = [t.deps for t in traced if t.deps is not None and t.dtype.kind in "fc"]
+        if present:
+            stacked = _sp().vstack(present, format="csr")
+            block = _sp().csr_matrix(np.ones((1, stacked.shape[0]), dtype=bool)) @ stacked
+            block = (block != 0).tocsr()
+            trace.pairs(block)  # the rule's second derivative may couple any two of its inputs
+
+    def output(v: Any) -> Any:
+        if isinstance(v, Tracer):  # f read a tracer from a closure: its rows stay
+            own, v = v.deps, Tracer(v.value.copy(), None, trace)  # not a view of the closure's tracer
+        elif hasattr(v, "shape") and hasattr(v, "dtype"):
+            own, v = None, Tracer(np.asarray(v), None, trace)
+        else:
+            return v  # a Python number or a non-array: a constant
+        if v.dtype.kind not in "fc":
+            return Tracer(v.value, None, trace)
+        rows = None if block is None else _select(block, np.ones(v.shape, dtype=np.int64), 1)
+        if own is not None:
+            rows = own if rows is None else (own + rows).tocsr()
+        return Tracer(v.value, rows, trace)
+
+    return pytree.tree_map(output, out)
 
 
 # ------------------------------------------------------------------ entry points

@@ -23,7 +23,7 @@ import numpy as np
 import optree
 
 from . import _pytree as pytree
-from ._cache import LRU, WeakLRU
+from ._cache import LRU, WeakLRU, static_key
 from ._captures import captures
 from ._errors import CollectedError, InvalidOutputError, NonDifferentiableInputError
 from ._operator_table import OPERATORS
@@ -107,18 +107,12 @@ def is_float_leaf(a: Any) -> bool:
     return leaf_kind(a, True) == DIFF
 
 
-def _static_key(leaf: Any) -> Any:
-    # (type, value) so that 1, 1.0 and True key differently.  Floats by their exact bits:
-    # -0.0 == 0.0 would otherwise share a plan (and its closed-over value), and a NaN
-    # never equal to itself would add a plan per call.  Unhashable objects by identity
-    # (the flat function keeps them alive, so the id cannot be reused).
-    if isinstance(leaf, float):
-        return (type(leaf), float.hex(leaf))
-    try:
-        hash(leaf)
-    except TypeError:
-        return ("id", id(leaf))
-    return (type(leaf), leaf)
+def _static_key(leaf: Any, deep: bool = True) -> Any:
+    # (type, value) so that 1, 1.0 and True key differently; floats by their exact bits
+    # (-0.0 == 0.0 would otherwise share a plan and its closed-over value); with ``deep`` (a
+    # backend that reuses traces), an object compared by identity also by its attributes,
+    # which the same object can change: the one policy, abstractdiff._cache.static_key.
+    return static_key(leaf, deep)
 
 
 class Artefacts:
@@ -658,14 +652,14 @@ def flatten_call(
             elif kind == DATA:
                 data_index.append(i)
             else:
-                static.append((i, _static_key(leaf)))
+                static.append((i, _static_key(leaf, track_captures)))
         n = len(x_leaves)
         for j, leaf in enumerate(a_leaves):
             kind = leaf_kind(leaf, False)
             if kind == DATA:
                 data_index.append(n + j)
             else:
-                static.append((n + j, _static_key(leaf)))
+                static.append((n + j, _static_key(leaf, track_captures)))
         key = structure = (x_treedef, a_treedef, tuple(diff_index), tuple(data_index), tuple(static), has_aux)
         leaves = x_leaves + a_leaves
         if n == 1 and x_leaves[0] is x and type(x) in _ARRAY_TYPES:

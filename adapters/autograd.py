@@ -24,7 +24,8 @@ from autograd.tracer import Box, getval
 
 from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import check_scalar, shape_of, size_of
-from abstractdiff._errors import ArgumentTypeError
+from abstractdiff._custom import mode_refusal
+from abstractdiff._errors import AbstractDiffError, ArgumentTypeError
 from abstractdiff.protocol import Adapter
 
 FlatFn = Callable[[list, list], tuple]
@@ -273,7 +274,17 @@ class AutogradAdapter(Adapter):
                     if not _MISSING_JVP.search(str(err)):
                         raise
                     _, _, vjp = self._trace_reverse(fn, xs, data)
-                    state["reverse"] = _run(lambda: make_vjp(vjp, np.zeros(shape_of(y), dtype=y.dtype))[0])
+                    try:
+                        state["reverse"] = _run(lambda: make_vjp(vjp, np.zeros(shape_of(y), dtype=y.dtype))[0])
+                    except AbstractDiffError:
+                        raise
+                    except Exception as again:  # noqa: BLE001 - the reverse route's own failure, named
+                        raise mode_refusal("forward", (
+                            f"forward mode through f meets an operation autograd has no forward-mode rule for "
+                            f"({err}), and the reverse-of-reverse route autograd takes instead failed too "
+                            f"({type(again).__name__}: {again}); use reverse mode (gradient, pullback, hessian), "
+                            f"or another backend"
+                        )) from again
             return _cast(state["reverse"](_packed(ts)), y)
 
         return y, aux, pushforward

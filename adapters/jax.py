@@ -110,8 +110,10 @@ def _without_forward_rule(forward: Callable, otherwise: Callable) -> Callable:
     def call(*args: Any) -> Any:
         try:
             return forward(*args)
-        except TypeError as err:
-            if "custom_vjp" not in str(err):
+        except (TypeError, NotImplementedError) as err:
+            # jax's words: a TypeError naming custom_vjp, or (forward over forward through
+            # one) a NotImplementedError for its linearised primitive, custom_lin
+            if "custom_vjp" not in str(err) and "'custom_lin'" not in str(err):
                 raise
             return otherwise(err, *args)
 
@@ -127,8 +129,8 @@ def _jacfwd(f: Callable, **options: Any) -> Callable:
 def _refuse_forward_mode(err: TypeError, *_: Any) -> Any:
     raise mode_refusal("forward", (
         f"forward mode (a pushforward, derivative or forward-over-forward) through an ad.custom_vjp "
-        f"function, which has no forward-mode rule: give it one with ad.custom_jvp, or use reverse mode "
-        f"(jax: {err})"
+        f"function, which has no forward-mode rule (on jax, ad.custom_root and ad.custom_fixed_point are "
+        f"custom_vjp functions too): give it one with ad.custom_jvp, or use reverse mode (jax: {err})"
     )) from None
 
 
@@ -137,7 +139,7 @@ def _forward_mode(run: Callable) -> Callable:
     return _without_forward_rule(run, _refuse_forward_mode)
 
 
-def _hvp(grad: Callable, xs: list, data: list, ts: list) -> tuple:
+def _hvp(grad: Callable, xs: list, data: list, ts: list, reverse_only: bool = False) -> tuple:
     """``(gradient, Hessian times ts)``: forward over reverse, or reverse over reverse (the
     Hessian is symmetric) through an ``ad.custom_vjp``."""
     forward = lambda: jax.jvp(lambda xs: grad(xs, data), (xs,), (ts,))  # noqa: E731
@@ -146,7 +148,7 @@ def _hvp(grad: Callable, xs: list, data: list, ts: list) -> tuple:
         g, pullback = jax.vjp(lambda xs: grad(xs, data), xs)
         return g, pullback(ts)[0]
 
-    return _without_forward_rule(forward, lambda _: reverse())()
+    return reverse() if reverse_only else _without_forward_rule(forward, lambda _: reverse())()
 
 
 def _second_order_error(kernel: Any) -> CompositionError:
@@ -530,7 +532,11 @@ class JaxAdapter(Adapter):
         # Jacobians and Hessians then take reverse mode: _or_reverse)
         if rule.stops_gradient:
             return lambda *inputs: tuple(map(jax.lax.stop_gradient, inputs))
-        if rule.has_jvp:
+        # A rule with both modes (ad.custom_root's) takes custom_vjp: jax transposes a jvp rule
+        # only where its tangent is linear as jax traces it, which an iterative linear solve's
+        # is not; its forward mode is then refused as for any custom_vjp (_or_reverse).
+        rule.lazy_forward = True  # jax runs fwd only under differentiation, and differentiates it
+        if rule.has_jvp and not rule.has_vjp:
             function = jax.custom_jvp(rule.value)
             function.defjvp(rule.jvp)
         else:
@@ -672,16 +678,28 @@ class JaxAdapter(Adapter):
 
         return self._direct(self._compiled(fn, "jacobian only", x64, build), x64)
 
+    def _reverse_where_refused(self, fn: Any, operator: str, x64: bool,
+                               build: Callable[[bool], Callable]) -> Callable:
+        """The compiled ``build(False)`` (forward over reverse), or where jax refuses forward mode
+        through an ``ad.custom_vjp`` only once it lowers the traced call (a custom_vjp called in
+        another one's fwd: ``ad.custom_root``'s), the compiled ``build(True)`` (reverse over reverse)."""
+        forward = self._compiled(fn, operator, x64, lambda: build(False))
+
+        def reverse(_: Exception, *args: Any) -> Any:
+            return self._compiled(fn, f"{operator} (reverse over reverse)", x64, lambda: build(True))(*args)
+
+        return _without_forward_rule(forward, reverse)
+
     def prepare_hvp(self, fn: Callable, xs: list, data: list) -> Callable[[list, list, list], list]:
         x64 = _wants_x64(xs, data)
 
-        def build() -> Callable:
+        def build(reverse_only: bool) -> Callable:
             traced = self._traced(fn, "hvp")
             grad = jax.grad(lambda xs, data: traced(xs, data)[0])
             # forward over reverse, the tangent only: what jax's own hvp idiom computes
-            return lambda xs, data, ts: _hvp(grad, xs, data, ts)[1]
+            return lambda xs, data, ts: _hvp(grad, xs, data, ts, reverse_only)[1]
 
-        return self._direct(self._compiled(fn, "hvp only", x64, build), x64)
+        return self._direct(self._reverse_where_refused(fn, "hvp only", x64, build), x64)
 
     def jacobian(self, fn: Callable, xs: list, data: list) -> tuple[Any, list]:
         x64 = _wants_x64(xs, data)
@@ -746,12 +764,12 @@ class JaxAdapter(Adapter):
         # one jvp of the gradient: its primal output is the gradient
         x64 = _wants_x64(xs, data)
 
-        def build() -> Callable:
+        def build(reverse_only: bool) -> Callable:
             traced = self._traced(fn, "hvp")
             grad = jax.grad(lambda xs, data: traced(xs, data)[0])
-            return lambda xs, data, ts: _hvp(grad, xs, data, ts)
+            return lambda xs, data, ts: _hvp(grad, xs, data, ts, reverse_only)
 
-        compiled = self._compiled(fn, "hvp", x64, build)
+        compiled = self._reverse_where_refused(fn, "hvp", x64, build)
         with self._scope(x64):
             g, hv = compiled(list(xs), data, list(tangents))
         return list(g), list(hv)
@@ -769,7 +787,16 @@ class JaxAdapter(Adapter):
                 def value_and_derivative(x: Any) -> tuple[Any, Any]:
                     return jax.jvp(lambda x: traced([x], data)[0], (x,), (one,))
 
-                (y, d), (_, d2) = jax.jvp(value_and_derivative, (x,), (one,))
+                def reverse(_: Exception) -> tuple[Any, Any, Any]:
+                    # through an ad.custom_vjp (no forward rule): reverse over reverse, the rule's
+                    f = lambda x: traced([x], data)[0]  # noqa: E731
+                    return f(x), jax.jacrev(f)(x), jax.jacrev(jax.jacrev(f))(x)
+
+                forward = lambda: jax.jvp(value_and_derivative, (x,), (one,))  # noqa: E731
+                out = _without_forward_rule(forward, reverse)()
+                if len(out) == 3:
+                    return out
+                (y, d), (_, d2) = out
                 return y, d, d2
 
             return value_derivative_and_second

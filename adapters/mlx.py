@@ -9,7 +9,7 @@ which the core also runs per call), the Jacobian and the Hessian (one ``mx.vmap`
 traced with the value) and the HVP (one ``mx.jvp`` of ``mx.grad``, no value of the gradient);
 variables: the arrays of ``mlx.nn`` modules (:class:`_Variables`).
 
-Five MLX habits shape this module:
+Six MLX habits shape this module:
 
 * MLX is lazy: an operation builds a graph and computes nothing until ``mx.eval`` (or a
   conversion) asks for it.  Every result is evaluated before it is returned, together
@@ -38,6 +38,18 @@ Five MLX habits shape this module:
 * ``numpy_array * mlx_array`` is a numpy array: numpy converts the MLX array and its
   derivative is lost without an error; a numpy value returned by ``f`` is refused (the
   core's one policy, :func:`abstractdiff._tree.check_output`).
+* MLX 0.32's ``mx.vjp``, ``mx.jvp`` and ``mx.grad`` clear the "traced" mark of every array
+  their function's graph reaches, the arrays it closes over included: an array of an outer
+  transform (``ad.second_derivative``'s, the user's ``mx.grad``) that an inner transform closes
+  over is, from then on, a plain value to MLX.  Evaluated, it is detached from the outer graph,
+  and a custom function (``ad.custom_vjp``, ``ad.custom_root``) applied to it is not recorded:
+  the outer derivative silently loses that path (``ad.derivative`` of ``ad.second_derivative``
+  through ``ad.custom_root`` came out 0).  So each transform here takes the arrays of an outer
+  transform among ``data`` (the arguments not differentiated) as primals of its own, with zero
+  tangents or unused cotangents (:func:`_outer_traced`), never through a closure; and nothing
+  is evaluated while one of this adapter's transforms runs (:func:`_evaluated`).  A closure of
+  the user's own over an outer array (``lambda t: f(t, s)`` inside ``mx.grad`` over ``s``) is
+  beyond the adapter's reach.
 
 ``compile=False`` (the default) runs ``f`` eagerly under MLX's transforms, every call;
 Python control flow on values (``if x.sum() > 0``) works in every operator.
@@ -59,7 +71,7 @@ import functools
 import itertools
 import re
 import weakref
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,6 +86,7 @@ from abstractdiff._errors import (
     ArgumentTypeError,
     CollectedError,
     CompositionError,
+    CustomRuleError,
     InvalidArgumentError,
     TracedControlFlowError,
 )
@@ -106,8 +119,13 @@ def _evaluated(*trees: Any) -> Any:
     Inside ``mx.grad``, ``mx.vjp``, ``mx.vmap``, ``mx.compile``... (an operator called from a
     function being differentiated) evaluating would cut the outer graph: MLX detaches what
     it evaluates, and the outer derivative silently becomes zero.  ``mx.async_eval`` refuses
-    to run there, which is how we know; the outer transform evaluates its own outputs.
+    to run there, which is how we know; the outer transform evaluates its own outputs.  Inside
+    one of this adapter's own transforms (``_TRANSFORMING``) nothing is evaluated either,
+    without asking MLX: MLX's answer comes from marks that a nested transform may have cleared
+    (see the module docstring).
     """
+    if _TRANSFORMING[0]:
+        return trees[0]
     if _FOREIGN_KERNELS[0]:
         # A foreign kernel evaluates its inputs, so they are "available": mx.async_eval
         # detaches such arrays while it walks the graph, even when it then refuses, and
@@ -124,6 +142,37 @@ def _evaluated(*trees: Any) -> Any:
     else:
         mx.eval(*trees)
     return trees[0]
+
+
+#: How many of this adapter's transforms (MLXAdapter._call) are running now: an operator
+#: called inside one is nested in a derivative being taken, whatever MLX's marks say.  (A count
+#: shared by threads errs towards "nested": no evaluation, primals rather than closures, both
+#: right at top level too.)
+_TRANSFORMING = [0]
+
+
+def _outer_traced(arrays: Sequence[Any]) -> tuple[int, ...]:
+    """The positions of the MLX arrays among ``arrays`` that an outer transform traces (ours or
+    the user's): a transform built here takes these as primals, never through a closure,
+    whose traversal would clear their marks (see the module docstring).
+
+    Asked before this call's own transforms run, while the marks are still right:
+    ``mx.async_eval`` refuses a traced array and evaluates the others, which a top-level
+    call evaluates anyway.  Where a foreign kernel has run it cannot be asked (see
+    :func:`_evaluated`): every array is taken as traced when a transform runs."""
+    if _FOREIGN_KERNELS[0]:
+        nested = _TRANSFORMING[0] > 0 or _in_transform()
+        return tuple(i for i, a in enumerate(arrays) if nested and isinstance(a, mx.array))
+    traced = []
+    for i, a in enumerate(arrays):
+        if isinstance(a, mx.array):
+            try:
+                mx.async_eval(a)
+            except ValueError as err:
+                if _IN_TRANSFORM not in str(err):
+                    raise
+                traced.append(i)
+    return tuple(traced)
 
 
 #: whether custom_function has built a boundary (differentiate_with, mlx code calling a kernel) here
@@ -505,15 +554,28 @@ class MLXAdapter(Adapter):
         def vjp(xs: list, cotangents: list) -> Sequence:
             if not rule.has_vjp:  # MLX cannot transpose a jvp rule
                 raise rule.no_vjp_error()
-            return rule.backward(rule.forward(*xs)[1], tuple(cotangents))
+            with _rule_running(rule, "bwd"):
+                return _arrays(rule, rule.backward(rule.forward(*xs)[1], tuple(cotangents)), "bwd's cotangent")
 
         def jvp(xs: list, tangents: list) -> Sequence:
             if rule.has_jvp:
-                return rule.jvp(tuple(xs), tuple(tangents))[1]
+                with _rule_running(rule, "the jvp rule"):
+                    return _arrays(rule, rule.jvp(tuple(xs), tuple(tangents))[1], "the jvp rule's tangent_out")
             # the backward is linear in the cotangents: the pullback of u -> J^T u is the
-            # JVP, t -> J t (as _jvp's reverse route), not a derivative of rule.value
-            ys, residuals = rule.forward(*xs)
-            return mx.vjp(lambda *u: list(rule.backward(residuals, u)), [mx.zeros_like(y) for y in ys], tangents)[1]
+            # JVP, t -> J t (as _jvp's reverse route), not a derivative of rule.value.  The
+            # inputs are primals of that mx.vjp, not values its function closes over: MLX
+            # 0.32 drops the derivative of a closed-over input for an outer mx.jvp once its
+            # value was computed before (a third derivative, ad.derivative of
+            # ad.second_derivative, came out silently zero).  Only the cotangents' part is
+            # read, and MLX is lazy: the inputs' part is never computed.
+            zeros = [mx.zeros_like(y) for y in rule.value(*xs)]  # any cotangent: J^T u is linear in u
+            k = len(zeros)
+
+            def backward(*args: Any) -> list:
+                return list(_arrays(rule, rule.backward(rule.forward(*args[k:])[1], args[:k]), "bwd's cotangent"))
+
+            with _rule_running(rule, "bwd"):
+                return mx.vjp(backward, [*zeros, *xs], tangents)[1][:k]
 
         return _rule_function(lambda xs: rule.value(*xs), vjp, jvp)
 
@@ -550,11 +612,14 @@ class MLXAdapter(Adapter):
         return fn.artefacts(self.backend, operator).get("mx.compile", make)
 
     def _call(self, call: Callable, *args: Any) -> Any:
-        with self._scope():
-            try:
+        _TRANSFORMING[0] += 1
+        try:
+            with self._scope():
                 return call(*args)
-            except ValueError as err:
-                raise self._library_error(err) from err
+        except ValueError as err:
+            raise self._library_error(err) from err
+        finally:
+            _TRANSFORMING[0] -= 1
 
     def _forward_or_reverse(self, fn: Any, operator: str, build: Callable[[_Traced, bool], Callable],
                             *args: Any) -> Any:
@@ -808,6 +873,39 @@ def _custom_value(value: Callable[..., np.ndarray], dtype: Any) -> Any:
 def _listed(a: Any) -> list:
     # mx.custom_function hands one primal, tangent, cotangent or vmap axis over bare
     return list(a) if isinstance(a, (list, tuple)) else [a]
+
+
+def _arrays(rule: Any, values: Sequence, what: str) -> tuple:
+    """A rule's cotangents or tangents, refused where one is a numpy array: MLX silently drops
+    a numpy array a custom function's rule returns (the gradient came out as the cotangent
+    itself), and converted, it would be a constant to MLX, whose outer transforms cannot say
+    that they differentiate the rule (mx.jvp of mx.grad runs it on plain arrays): a second
+    derivative would silently lose whatever the rule computed it from."""
+    if any(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        raise CustomRuleError(
+            f"{rule.name}: {what} is a numpy array, but the function was called with mlx arrays: numpy arrays "
+            f"carry no derivative, so a second derivative through the rule would silently lose whatever {what} "
+            f"was computed from; compute it with MLX (autoray's numpy interface works on every backend), or "
+            f"return None for zero"
+        )
+    return tuple(values)
+
+
+@contextlib.contextmanager
+def _rule_running(rule: Any, what: str) -> Iterator[None]:
+    """MLX's refusal to evaluate a traced array, where the user's rule asked for one, as the
+    rule's error: MLX traces the rule's inputs where it differentiates the rule itself."""
+    try:
+        yield
+    except ValueError as err:
+        if _EVAL_IN_TRANSFORM not in str(err):
+            raise
+        raise CustomRuleError(
+            f"{rule.name}: {what} needs the value of a traced MLX array (np.asarray, float(), .item(), a "
+            f"numpy call), which MLX has only where it does not differentiate the rule itself: a second "
+            f"derivative (hessian, hvp, an operator inside another), forward mode through a custom_vjp, or "
+            f"compile=True; write {what} with MLX operations (autoray's numpy interface works on every backend)"
+        ) from err
 
 
 def _rule_function(value: Callable[[list], Sequence], vjp: Callable[[list, list], Sequence], jvp: Callable) -> Any:

@@ -63,6 +63,7 @@ import numpy as np
 from abstractdiff import _errors
 from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import bfloat16_numpy, check_scalar, size_of
+from abstractdiff._derived import DerivedOperators
 from abstractdiff._errors import ArgumentTypeError, CompositionError, ModeMismatchError, NonDifferentiableInputError
 from abstractdiff._tree import Artefacts, FlatFunction, artefacts, check_output, split_aux
 from abstractdiff.portable.paddle import MISSING_INPUT_GRADIENT, _arrays, _fresh, _needs_grad, explained
@@ -189,9 +190,11 @@ def _grad(ys: list, inputs: list, dys: list | None = None, *, retain_graph: bool
     if all([y.stop_gradient for y in ys]):  # nothing differentiable reaches ys
         return [None] * len(inputs)
     if getattr(_refused, "depth", 0):  # paddle 3.3 crashes the process on paddle.grad in a PyLayer's backward
-        raise _errors.CustomRuleError("the paddle backend cannot take a derivative inside a custom rule's "
+        err = _errors.CustomRuleError("the paddle backend cannot take a derivative inside a custom rule's "
                                       "backward (paddle.grad there crashes paddle 3.3): a second derivative "
                                       "through ad.custom_root, or a bwd that calls an operator")
+        err.route = True  # the double-vjp trick's refusal: its last route, pullbacks only, may work
+        raise err
     with _GRAD_LOCK:
         if hidden:
             try:  # the graph is kept, for the second attempt
@@ -677,8 +680,13 @@ class PaddleAdapter(Adapter):
                     except (RuntimeError, SystemError, ValueError):  # paddle's own failures (f does not run here)
                         continue
                     except OSError as err:  # a derivative differentiate_with's boundary does not carry (_refusal)
-                        if _refusal(err) is None:
+                        refused = _refusal(err)
+                        if refused is None:
                             raise
+                        # a route's refusal (another route may work), or the user's rule is wrong
+                        if not (isinstance(refused, CompositionError) or getattr(refused, "mode", None)
+                                or getattr(refused, "route", False)):
+                            raise refused from err
                         break
                     routes.put("route", route)
                     return out
@@ -708,8 +716,19 @@ class PaddleAdapter(Adapter):
             rows = [paddle.zeros_like(x) if r is None else r for (r,) in rec.rows(g, rec.nested)]
         return paddle.stack(rows).reshape(shape + shape) if rows else paddle.zeros(shape + shape, dtype=x.dtype)
 
-    @_operator
     def second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
+        try:
+            return self._second_derivative(fn, xs, data)
+        except _errors.CustomRuleError as err:
+            if err.mode != "reverse":
+                raise
+            # an ad.custom_jvp rule, which paddle cannot transpose: forward over forward (the
+            # core's derivative of the derivative, the double-vjp trick twice) differentiates
+            # the rule's jvp, as jax does
+            return DerivedOperators.flat_second_derivative(self.backend, fn, xs, data)
+
+    @_operator
+    def _second_derivative(self, fn: FlatFn, xs: list, data: list) -> Any:
         # reverse over reverse, one double backward per element of y: forward over forward
         # would need third derivatives with the double-vjp trick (paddle has no SinTripleGradNode)
         rec = self._record(fn, xs, data)
@@ -843,13 +862,30 @@ class _Rule(paddle.autograd.PyLayer):
         if rule.has_vjp:
             again = not paddle.in_dynamic_mode() or paddle.is_grad_enabled()
             grads = rule.backward(rule.forward(*_unpack(packed, consts, layout))[1] if again else ctx.residuals, cts)
-            return _pack([g for g, at in zip(grads, layout) if at is not None], packed.dtype)
+            return _pack(_tensors(rule, [g for g, at in zip(grads, layout) if at is not None], "bwd's cotangent"),
+                         packed.dtype)
         if not paddle.in_dynamic_mode() or any(bool(paddle.any(c != 0)) for c in cts):
             raise rule.no_vjp_error()
         ct = _pack(cts, _widest(cts))
 
         def jvp(packed_tangent: Any) -> Any:
             tangents = _unpack(packed_tangent, [paddle.zeros_like(t) for t in consts], layout)
-            return _pack(rule.jvp(tuple(_unpack(packed, consts, layout)), tuple(tangents))[1], ct.dtype)
+            out = rule.jvp(tuple(_unpack(packed, consts, layout)), tuple(tangents))[1]
+            return _pack(_tensors(rule, out, "the jvp rule's tangent_out"), ct.dtype)
 
         return _Closure.apply(ct, lambda: paddle.zeros_like(packed), jvp)
+
+
+def _tensors(rule: Any, values: Sequence, what: str) -> list:
+    """A rule's cotangents or tangents, refused where one is a numpy array: paddle's ops take
+    tensors only, and converted, a numpy array would be a constant to paddle, whose
+    ``.numpy()`` works on tensors it differentiates: a second derivative would silently lose
+    whatever the rule computed it from."""
+    if any(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        raise _errors.CustomRuleError(
+            f"{rule.name}: {what} is a numpy array, but the function was called with paddle tensors: numpy "
+            f"arrays carry no derivative, so a second derivative through the rule would silently lose whatever "
+            f"{what} was computed from; compute it with paddle (autoray's numpy interface works on every "
+            f"backend), or return None for zero"
+        )
+    return list(values)

@@ -38,6 +38,7 @@ variables and argument signature.  PyTensor has no module or model type of its o
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import warnings
@@ -48,6 +49,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
+from pytensor.compile.mode import Mode, get_mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.gradient import (
     DisconnectedType,
@@ -59,10 +61,16 @@ from pytensor.gradient import (
     jacobian,
     pullback,
 )
-from pytensor.graph.basic import Apply, Constant, Variable
+from pytensor.graph.basic import Apply, Constant, NominalVariable, Variable
 from pytensor.graph.op import Op
 from pytensor.graph.replace import graph_replace
+from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.traversal import graph_inputs
+from pytensor.link.basic import PerformLinker
+from pytensor.link.vm import VMLinker
+from pytensor.scan.op import Scan
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.sharedvar import TensorSharedVariable
 from pytensor.tensor.variable import TensorConstant, TensorVariable
@@ -108,6 +116,93 @@ _COMPILING = threading.RLock()
 #: slowest first compilation; FAST_COMPILE runs numpy per op without rewrites: compiles
 #: in a fraction of the time, runs several times slower.
 _MODES = ("FAST_RUN", "FAST_COMPILE", "NUMBA", "C", "CVM")
+
+
+# An Elemwise runs in Python (numpy) with at most 32 operands: its ``perform`` (what the
+# modes without compiled kernels run: FAST_COMPILE; C and CVM where no compiler is found)
+# builds no ufunc for more and fails with "'Scratchpad' object has no attribute 'ufunc'".
+# PyTensor's canonicalisation (FAST_COMPILE's too) merges a chain of additions into one: a
+# Python sum over 32 or more elements of an array (``sum(x[i] ** 2 for i in ...)``), or a
+# pushforward over that many leaves, makes such a node.
+_ELEMWISE_OPERANDS = 32
+
+
+@node_rewriter([Elemwise])
+def _split_wide_elemwise(fgraph: Any, node: Apply) -> list | None:
+    """An associative Elemwise (add, mul, maximum...) of too many operands for ``perform``, as a
+    tree of narrower ones of the same scalar op (no in-place pattern: a fresh Elemwise)."""
+    op, out = node.op, node.outputs
+    if len(node.inputs) + len(out) <= _ELEMWISE_OPERANDS or len(out) != 1 or not getattr(
+            op.scalar_op, "associative", False):
+        return None
+    narrow, terms = Elemwise(op.scalar_op), list(node.inputs)
+    width = _ELEMWISE_OPERANDS - 1
+    while len(terms) > 1:
+        terms = [narrow(*terms[i : i + width]) if len(terms[i : i + width]) > 1 else terms[i]
+                 for i in range(0, len(terms), width)]
+    return [out[0].type.filter_variable(pt.cast(terms[0], out[0].dtype))]
+
+
+def _scans_in(mode: list) -> Any:
+    """A rewrite giving each ``pytensor.scan`` without a mode of its own the compiled function's
+    mode (``mode[0]``) for its inner graph.  Without one, Scan compiles its inner graph with
+    C thunks ("cvm") whatever the function's mode, and its Python perform hands them a 0-d
+    output as a numpy scalar: forward mode through a scan over a vector (each step's slice
+    0-d; forward mode is two pullbacks, a scan of the scan's gradient) raised "expected an
+    ndarray" in FAST_COMPILE."""
+
+    def in_mode(scan: Scan) -> Scan | None:
+        if scan.mode is not None:
+            return None
+        op = copy.copy(scan)  # Scan's equality ignores its mode; a fresh op compiles its own inner function
+        op.mode, op._fn = mode[0], None
+        return op
+
+    @node_rewriter([Scan, Blockwise])
+    def scan_in_mode(fgraph: Any, node: Apply) -> list | None:
+        op = node.op
+        if isinstance(op, Blockwise):  # a vectorised scan (a Jacobian's or Hessian's rows)
+            core = in_mode(op.core_op) if isinstance(op.core_op, Scan) else None
+            if core is None:
+                return None
+            op = copy.copy(op)
+            op.core_op = core
+        else:
+            op = in_mode(op)
+            if op is None:
+                return None
+        return op.make_node(*node.inputs).outputs
+
+    return scan_in_mode
+
+
+_RUNNABLE: dict[int, tuple[Any, Mode]] = {}  # a resolved mode's id -> (it, it with the rewrites above)
+
+
+def _runnable(mode: str | None) -> Any:
+    """``mode`` (None: PyTensor's configured one, read now) as compiled: where it runs ops in
+    Python (FAST_COMPILE; CVM without a C compiler), with the rewrites that split wide Elemwise
+    nodes and (a VM's) compile scans' inner graphs in it too (nested scans included)."""
+    resolved = get_mode(mode)
+    linker = getattr(resolved, "linker", None)
+    python = isinstance(linker, PerformLinker) or isinstance(linker, VMLinker) and (
+        linker.c_thunks is False or not pytensor.config.cxx)  # C thunks (CVM with a compiler) take any width
+    if not isinstance(resolved, Mode) or not python:
+        return resolved  # Numba, C: its own kernels (not a Mode: whatever PyTensor makes of it, unchanged)
+    entry = _RUNNABLE.get(id(resolved))
+    if entry is None or entry[0] is not resolved:
+        # the split after the canonicalisations and PyTensor's py_only rewrites (49.1), before the
+        # in-place ones (49.5); the scans' mode once Blockwise ops without batch dimensions are
+        # unwrapped (60: a Hessian's vectorised scans), new scans and in-place ones included
+        # (scans only where the linker is a VM: Scan's perform needs one for its preallocated outputs)
+        cell: list = []
+        rewrites = [(in2out(_split_wide_elemwise), 49.2)]
+        if isinstance(linker, VMLinker):
+            rewrites.append((in2out(_scans_in(cell)), 61))
+        runnable = resolved.register(*rewrites)
+        cell.append(runnable)
+        entry = _RUNNABLE[id(resolved)] = (resolved, runnable)
+    return entry[1]
 
 
 def _is_symbolic(a: Any) -> bool:
@@ -413,7 +508,7 @@ class PyTensorAdapter(Adapter):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_OBJECT_MODE, category=UserWarning)
             with _COMPILING:
-                function = pytensor.function(inputs, outputs, mode=self.mode, on_unused_input="ignore",
+                function = pytensor.function(inputs, outputs, mode=_runnable(self.mode), on_unused_input="ignore",
                                              trust_input=True)
         self.compilations += 1
         return _Compiled(function, n, meta)
@@ -706,7 +801,7 @@ def _evaluate(outputs: Sequence[Any]) -> tuple:
     symbolic = [o for o in outputs if isinstance(o, Variable)]
     if symbolic:
         with _COMPILING:
-            values = iter(pytensor.function([], symbolic, mode="FAST_COMPILE")())
+            values = iter(pytensor.function([], symbolic, mode=_runnable("FAST_COMPILE"))())
         outputs = [next(values) if isinstance(o, Variable) else o for o in outputs]
     return tuple(np.asarray(o) for o in outputs)
 
@@ -735,6 +830,30 @@ def _known_zero(t: Any) -> bool:
 _CLOSED_OVER = "a custom rule has no derivative for {}, which its value reads without taking it as an input"
 
 
+def _on_plain(build: Callable[..., list], *groups: list) -> list:
+    """``build(*groups)`` built on ordinary root variables standing in for PyTensor's nominal
+    ones, which are replaced back once it is built.
+
+    ``pytensor.scan`` differentiates its inner graph on ``NominalVariable`` inputs, whose
+    classes PyTensor makes on the fly (``abc.NominalTensorVariable``); autoray picks a library
+    by the module of an array's class, so a rule written with autoray (``anp.sin``) would find
+    no library ``abc`` and raise its ImportError (a custom function inside ``ad.fori_loop`` or
+    ``ad.scan``).  The rule's graph does not depend on which variables it is built on."""
+    stands: dict[int, tuple[Any, Any]] = {}
+
+    def plain(v: Any) -> Any:
+        if not isinstance(v, NominalVariable):
+            return v
+        if id(v) not in stands:
+            stands[id(v)] = (v, v.type())
+        return stands[id(v)][1]
+
+    out = build(*([plain(v) for v in group] for group in groups))
+    if not stands:
+        return out
+    return graph_replace(out, {stand: v for v, stand in stands.values()}, strict=False)
+
+
 class _RuleOp(OpFromGraph):
     """``rule.value`` as an inlined graph (merged with the residuals' recomputation when
     compiled) whose pullback is ``rule.backward`` (or the transposed ``rule.jvp``) and whose
@@ -757,16 +876,21 @@ class _RuleOp(OpFromGraph):
         return [[True] * len(node.outputs)] * len(node.inputs)
 
     def pullback(self, inputs: list, outputs: list, cotangents: list) -> list:
-        rule, args = self.rule, inputs[: self.n]
+        rule = self.rule
+        grads = _on_plain(self._rule_pullback, inputs[: self.n], outputs, cotangents)
+        # a value the rule closes over (a shared variable, a symbolic value): the rule has no derivative for it
+        undefined = [grad_undefined(self, i, v, f"{rule.name}: {_CLOSED_OVER.format(v)}")
+                     for i, v in enumerate(inputs) if i >= self.n]
+        return grads + undefined
+
+    def _rule_pullback(self, args: list, outputs: list, cotangents: list) -> list:
+        rule = self.rule
         cts = [c if _connected(c) else pt.zeros_like(o) for c, o in zip(cotangents, outputs)]
         if rule.has_vjp:
             grads = rule.backward(rule.forward(*args)[1], tuple(cts))
         else:  # a linear jvp rule's transpose, as jax transposes a custom_jvp
             grads = _transpose(lambda xs, t: rule.jvp(tuple(xs), tuple(t))[1], args, args, cts)
-        # a value the rule closes over (a shared variable, a symbolic value): the rule has no derivative for it
-        undefined = [grad_undefined(self, i, v, f"{rule.name}: {_CLOSED_OVER.format(v)}")
-                     for i, v in enumerate(inputs) if i >= self.n]
-        return [_like(pt.as_tensor_variable(g), x.dtype) for g, x in zip(grads, args)] + undefined
+        return [_like(pt.as_tensor_variable(g), x.dtype) for g, x in zip(grads, args)]
 
     def pushforward(self, inputs: list, outputs: list, tangents: list) -> list:
         rule, args = self.rule, inputs[: self.n]
@@ -774,8 +898,12 @@ class _RuleOp(OpFromGraph):
             if _connected(t) and not _known_zero(t):  # roots not differentiated get zeros tangents
                 raise NullTypeGradError(f"{rule.name}: {_CLOSED_OVER.format(v)}")
         ts = [t if _connected(t) else pt.zeros_like(x) for t, x in zip(tangents, args)]
+        return _on_plain(self._rule_pushforward, args, outputs, ts)
+
+    def _rule_pushforward(self, args: list, outputs: list, tangents: list) -> list:
+        rule = self.rule
         if rule.has_jvp:
-            out = rule.jvp(tuple(args), tuple(ts))[1]
+            out = rule.jvp(tuple(args), tuple(tangents))[1]
         else:  # the pullback's transpose: two applications of the vjp rule
-            out = _transpose(lambda xs, u: self.pullback(xs, outputs, u), args, outputs, ts)
+            out = _transpose(lambda xs, u: self._rule_pullback(xs, outputs, u), args, outputs, tangents)
         return [_like(pt.as_tensor_variable(t), o.dtype) for t, o in zip(out, outputs)]

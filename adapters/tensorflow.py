@@ -23,6 +23,7 @@ import optree
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe  # whether tapes and accumulators watch a loop's carry
 from tensorflow.python.eager import record as _record  # recording ops on tapes and accumulators
+from tensorflow.python.framework.errors_impl import InaccessibleTensorError
 
 import abstractdiff._operators
 from abstractdiff._arrays import check_scalar, signature
@@ -34,6 +35,7 @@ from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
     CompositionError,
+    LoopDerivativeError,
     TracedControlFlowError,
 )
 from abstractdiff._hooks import AdapterHooks
@@ -284,6 +286,20 @@ def _write(stack: Any, i: Any, y: Any) -> Any:
     return stack.write(i, y) if isinstance(stack, tf.TensorArray) else tf.tensor_scatter_nd_update(stack, [[i]], [y])
 
 
+def _forward_while(build: Callable[[], Any]) -> Any:
+    """``build()`` (a tf.while_loop), or NotImplemented (the core's Python loop, which the
+    accumulator records op by op, the same values) where TensorFlow cannot build it.
+
+    A ForwardAccumulator takes a While op's tangents from the gradient of its gradient, built
+    as soon as the loop is; a custom gradient in the body (a custom rule's, or the user's
+    tf.custom_gradient) closes over the body's tensors, which that second loop cannot reach:
+    TensorFlow raises InaccessibleTensorError while building the loop, before it runs."""
+    try:
+        return build()
+    except InaccessibleTensorError:
+        return NotImplemented
+
+
 class _Loops:
     """ad.fori_loop, ad.scan and ad.while_loop as one tf.while_loop in a graph (tf.function)."""
 
@@ -292,7 +308,9 @@ class _Loops:
             return NotImplemented
         loop = (tf.constant(lower), [tf.convert_to_tensor(c) for c in init])
         step = lambda i, c: (i + 1, _typed(body(i, list(c)), c))  # noqa: E731
-        return tf.while_loop(lambda i, _: i < upper, step, loop, maximum_iterations=upper - lower)[1]
+        out = _forward_while(lambda: tf.while_loop(lambda i, _: i < upper, step, loop,
+                                                   maximum_iterations=upper - lower))
+        return out if out is NotImplemented else out[1]
 
     def scan(self, f: Callable, init: list, xs: list, length: int) -> Any:
         if not _graph_loop(init + xs):
@@ -312,14 +330,27 @@ class _Loops:
             return i + 1, _typed(new, c), [_write(a, i, v) for a, v in zip(arrays, y)]
 
         loop = (tf.constant(1), first, arrays)
-        _, carry, arrays = tf.while_loop(lambda i, *_: i < length, step, loop, maximum_iterations=length - 1)
+        out = _forward_while(lambda: tf.while_loop(lambda i, *_: i < length, step, loop,
+                                                   maximum_iterations=length - 1))
+        if out is NotImplemented:
+            return out  # the core's Python loop, step 0 again
+        _, carry, arrays = out
         return carry, [a if dense else a.stack() for a in arrays]
 
     def while_loop(self, cond: Callable, body: Callable, init: list) -> Any:
         if tf.executing_eagerly():
             return NotImplemented
         init = [tf.convert_to_tensor(c) for c in init]
-        return tf.while_loop(lambda c: cond(list(c)), lambda c: (_typed(body(list(c)), c),), (init,))[0]
+        try:
+            return tf.while_loop(lambda c: cond(list(c)), lambda c: (_typed(body(list(c)), c),), (init,))[0]
+        except InaccessibleTensorError as err:  # see _forward_while; a Python loop needs cond's value
+            raise LoopDerivativeError(
+                "TensorFlow cannot build the forward-mode derivative of ad.while_loop here: a custom gradient "
+                "in its body (an ad.custom_vjp, ad.custom_root or tf.custom_gradient) reads tensors that "
+                "tf.while_loop's forward mode cannot reach, inside tf.function. Use ad.fori_loop or ad.scan with "
+                "a bound (they run as a traced Python loop then), reverse mode, or "
+                "ad.backend('tensorflow', compile=False)"
+            ) from err
 
 
 class TensorFlowAdapter(Adapter):
@@ -352,7 +383,11 @@ class TensorFlowAdapter(Adapter):
         # costs ~20 us per tensor argument, and a whole step's state is dozens of tensors.
         # XLA (jit_compile) fuses the step's elementwise passes; a graph XLA cannot compile
         # (an op without an XLA kernel) fails at its first call, before it runs, and runs
-        # as a plain graph from then on.
+        # as a plain graph from then on.  A graph that cannot even be traced for XLA runs as
+        # a plain graph too: in an XLA context TensorFlow builds some gradients from XLA ops
+        # that have no gradient themselves (Slice's is XlaDynamicUpdateSlice, met by the
+        # gradients of concatenate, pad and tf.while_loop), so forward over reverse (a sparse
+        # Hessian's products) raises a LookupError there and works in a plain graph.
         concrete: LRU[tuple, list] = LRU(16)  # signature -> [concrete function, whether it ran]
 
         def run(*groups: Any) -> Any:
@@ -360,7 +395,7 @@ class TensorFlowAdapter(Adapter):
             flat = [a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
                     for g in groups for a in (g if isinstance(g, list) else (g,))]
             key = (sizes, signature(flat))
-            entry = concrete.get_or_build(key, lambda: [self._concrete(step, sizes, flat, True), False])
+            entry = concrete.get_or_build(key, lambda: self._traced_concrete(step, sizes, flat))
             try:  # (the call's public form would re-parse its arguments)
                 out = entry[0]._call_flat(flat, entry[0].captured_inputs)
             except tf.errors.OpError:  # XLA cannot compile it (a real error is raised again below)
@@ -372,6 +407,22 @@ class TensorFlowAdapter(Adapter):
             return out
 
         return run
+
+    def _traced_concrete(self, step: Callable, sizes: tuple, flat: list) -> list:
+        """``[concrete function, whether it ran]``: traced for XLA, else (a trace only XLA's
+        context fails, see :meth:`_compiler`) as a plain graph, which counts as having run (an
+        error at its call is the step's own).  An error of the plain trace is ``f``'s: raised as
+        ours where it is one (autograph and pfor wrap it in a StagingError) or one that only
+        tracing causes (a numpy call on a traced tensor)."""
+        try:
+            return [self._concrete(step, sizes, flat, True), False]
+        except Exception as err:  # noqa: BLE001 - retraced as a plain graph, which says what is wrong
+            if (ours := _abstractdiff_error(err)) is not None:
+                raise ours from None  # a refusal (a custom rule's): the same in a plain graph
+        try:
+            return [self._concrete(step, sizes, flat, False), True]
+        except Exception as err:
+            _raise_ours(err, traced=True)
 
     def _concrete(self, step: Callable, sizes: tuple, flat: list, xla: bool) -> Any:
         bounds = np.cumsum([0, *(n if n >= 0 else 1 for n in sizes)]).tolist()
@@ -607,6 +658,10 @@ class TensorFlowAdapter(Adapter):
                 raise rule.no_vjp_error()
             cotangents = tuple(tf.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents))
             return list(rule.backward(residuals, cotangents))
+
+        # TensorFlow runs a jvp function with every tape and accumulator hidden, new ones too: a
+        # rule that differentiates inside its jvp (ad.custom_root's) would get zeros there
+        rule.derivatives_in_jvp = False
 
         def h(*inputs: Any) -> tuple:
             inputs = [tf.convert_to_tensor(a) for a in inputs]

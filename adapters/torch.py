@@ -37,13 +37,14 @@ core's (the Jacobian of the gradient, reverse over reverse: 2-3x faster than
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +66,23 @@ from abstractdiff.protocol import Adapter
 from . import _keras
 
 FlatFn = Callable[[list, list], tuple]
+
+
+def _alive(tensors: Sequence[Any]) -> list:
+    """``tensors`` with the wrappers of ended torch.func levels taken off.
+
+    A custom rule's backward runs after the torch.func.vjp that recorded it has returned (its
+    pullback calls autograd.grad outside its level), so the rule's saved inputs are wrappers of
+    a level that has ended.  torch's operators unwrap such a dead wrapper, but a torch.func.vjp
+    or jvp called inside the rule (an ``ad.pullback`` in a bwd: custom_root's) wraps it in its
+    own level instead, and its backward then meets a dead wrapper under a dead one, which
+    torch's engine fails on (``level <= current_level INTERNAL ASSERT FAILED ... escaped?``)."""
+    out = []
+    for t in tensors:
+        while isinstance(t, torch.Tensor) and torch._C._functorch.is_dead_tensor_wrapper(t):
+            t = torch._C._functorch.unwrap_if_dead(t)
+        out.append(t)
+    return out
 
 
 def _in_functorch() -> bool:
@@ -489,7 +507,7 @@ class TorchAdapter(Adapter):
             y, aux = forward(list(a), data)
             return self._tensor(y), carrier.pack(aux)
 
-        y, vjp_fn, aux = torch.func.vjp(with_aux, *xs, has_aux=True)
+        y, vjp_fn, aux = torch.func.vjp(with_aux, *_alive(xs), has_aux=True)
         return y, carrier.unpack(aux), vjp_fn
 
     @_explains_numpy_mix
@@ -742,6 +760,10 @@ class _Custom(torch.autograd.Function):
         return _batched(info, in_dims[1:], lambda *t: cls.apply(node, *t), *tensors), 0
 
 
+#: A context of :class:`_Rule` whose forward's residuals another context took (see its backward)
+_NO_RESIDUALS = object()
+
+
 class _Rule(torch.autograd.Function):
     """An ``ad.custom_vjp`` or ``ad.custom_jvp`` rule (:meth:`TorchAdapter.custom_rule`) as a
     torch operation: reverse mode is ``rule.backward``, forward mode ``rule.jvp``, and torch.func
@@ -759,9 +781,11 @@ class _Rule(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.rule = rule = inputs[0]
-        ctx.residuals, rule.residuals = getattr(rule, "residuals", None), None
+        # taken once: under nested torch.func levels only the innermost context gets them
+        ctx.residuals = rule.__dict__.pop("residuals", _NO_RESIDUALS)
         ctx.save_for_backward(*inputs[1:])
-        if rule.has_jvp:
+        if rule.has_jvp or _in_functorch():
+            # under torch.func.vmap the Function's batched jvp reads these even to refuse
             ctx.save_for_forward(*inputs[1:])
 
     @staticmethod
@@ -770,9 +794,14 @@ class _Rule(torch.autograd.Function):
         if not rule.has_vjp:
             raise rule.no_vjp_error()
         # a graph of the backward being built (a second derivative): the residuals the forward
-        # made without one are made again, now depending on the inputs
+        # made without one are made again, now depending on the inputs.  Under nested torch.func
+        # levels the forward ran once, at the innermost, whose context took its residuals: the
+        # outer levels' contexts have none, and make them again too
         again = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-        return None, *rule.backward(rule.forward(*inputs)[1] if again else ctx.residuals, cotangents)
+        fresh = again or ctx.residuals is _NO_RESIDUALS
+        with _rule_running(rule, "bwd"):
+            grads = rule.backward(rule.forward(*inputs)[1] if fresh else ctx.residuals, cotangents)
+        return None, *_tensors(rule, grads, "bwd's cotangent")
 
     @staticmethod
     def jvp(ctx: Any, _rule_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
@@ -781,7 +810,86 @@ class _Rule(torch.autograd.Function):
             raise rule.no_jvp_error()
         inputs = ctx.saved_tensors
         full = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(inputs, tangents))
-        return rule.jvp(inputs, full)[1]
+        return _rule_tangents(rule, inputs, full)
+
+
+def _rule_tangents(rule: Any, inputs: tuple, tangents: tuple) -> tuple:
+    """``rule.jvp``'s output tangents, as :meth:`_Rule.jvp` returns them.
+
+    torch.func runs an autograd.Function's jvp at its own level with forward-mode recording
+    switched off, so a jvp rule is a constant to every torch.func.jvp outside the one that
+    called it: forward over forward (second_derivative, a derivative of a derivative) would be
+    silently zero.  Where that jvp is the innermost transform, the rule runs one level down
+    instead, on the inputs and tangents unwrapped from that level, with recording on as it was
+    outside it: the outer levels differentiate the rule's own torch code, as torch.func does
+    with any operation.  Where a torch.func.vmap stands between the two (torch.func's batching
+    of the Function, inside a forward-mode transform), that cannot be done: refused.
+    """
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    forward = [i for i in stack if i.key() == torch._C._functorch.TransformType.Jvp]
+    if len(forward) < 2:  # no forward-mode level outside this one: torch's own call is right
+        with _rule_running(rule, "the jvp rule"):
+            return _tensors(rule, rule.jvp(inputs, tangents)[1], "the jvp rule's tangent_out")
+    if stack[-1].key() != torch._C._functorch.TransformType.Jvp:
+        raise CustomRuleError(
+            f"{rule.name}: torch cannot differentiate this jvp rule in forward mode inside another forward-mode "
+            f"derivative here (a torch.func.vmap, from a batched pushforward or a forward Jacobian, stands between "
+            f"them, and torch.func runs the rule with the outer tangents switched off: the result would be "
+            f"silently zero); take the outer derivative in reverse mode with a custom_vjp rule, or take it with "
+            f"an operator that does not batch (ad.derivative, ad.second_derivative), or use the jax backend"
+        )
+    from torch._functorch.pyfunctorch import coerce_cinterpreter
+
+    level = stack[-1].level()
+    interpreter = coerce_cinterpreter(stack[-1])
+    primals = tuple(torch._C._functorch._unwrap_for_grad(x, level) for x in inputs)
+    inner = tuple(torch._C._functorch._unwrap_for_grad(t, level) for t in tangents)
+    with interpreter.lower():
+        recording = torch._C._is_fwd_grad_enabled()
+        torch._C._set_fwd_grad_enabled(interpreter.prev_fwd_grad_mode())
+        try:
+            with _rule_running(rule, "the jvp rule"):
+                out = _tensors(rule, rule.jvp(primals, inner)[1], "the jvp rule's tangent_out")
+        finally:
+            torch._C._set_fwd_grad_enabled(recording)
+    return tuple(torch._C._functorch._wrap_for_grad(t, level) for t in out)
+
+
+def _tensors(rule: Any, values: tuple, what: str) -> tuple:
+    """A rule's cotangents or tangents, refused where one is a numpy array: torch's Function
+    takes tensors only, and converted, a numpy array would be a constant to torch, so where
+    torch differentiates the rule itself (a second derivative) whatever the rule computed it
+    from (a ``.detach().numpy()`` of its inputs) would silently drop out."""
+    if any(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        raise CustomRuleError(
+            f"{rule.name}: {what} is a numpy array, but the function was called with torch tensors: numpy "
+            f"arrays carry no derivative, so a second derivative through the rule would silently lose whatever "
+            f"{what} was computed from; compute it with torch (autoray's numpy interface works on every "
+            f"backend), or return None for zero"
+        )
+    return tuple(values)
+
+
+@contextlib.contextmanager
+def _rule_running(rule: Any, what: str) -> Iterator[None]:
+    """torch's refusal to give a numpy value of a tensor it differentiates or batches, where the
+    user's rule asked for one, as the rule's error."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not _RULE_NUMPY.search(str(err)):
+            raise
+        raise CustomRuleError(
+            f"{rule.name}: {what} converted a torch tensor to numpy (np.asarray, .numpy(), .item()), which torch "
+            f"refuses where it differentiates the rule itself or batches it (a second derivative, a Jacobian, "
+            f"torch.func): the derivative through that value would be lost; write {what} with torch operations "
+            f"(autoray's numpy interface works on every backend) ({err})"
+        ) from err
+
+
+#: What torch says when a rule reads the value of a tensor it differentiates or batches
+_RULE_NUMPY = re.compile(r"Can't call numpy\(\) on Tensor that requires grad|doesn't have storage|"
+                         r"\.item\(\) on a Tensor|data-dependent")
 
 
 #: _Rule.apply outside torch.func transforms without Function.apply's inspect.signature binding
