@@ -286,6 +286,18 @@ def value_key(value: Any, alive: list[Any] | None = None, *, native: Callable[[A
 
 
 # ------------------------------------------------- arrays written in place, static leaves
+#: The backend of a library's array, or None: :func:`abstractdiff._registry.backend_for`,
+#: handed over by the registry when it is imported (it imports the caches, so this module
+#: cannot import it).
+_owner_of: Callable[[Any], Any] = lambda value: None  # noqa: E731
+
+
+def set_owner_lookup(lookup: Callable[[Any], Any]) -> None:
+    """Give :func:`native_array_key` the registry's ``backend_for``."""
+    global _owner_of
+    _owner_of = lookup
+
+
 def native_array_key(value: Any) -> Hashable | None:
     """The content key of another library's array that a compiled trace would freeze but that
     can be written in place (an MLX array: ``G[...] = 3.0`` keeps the Python object), or
@@ -299,9 +311,7 @@ def native_array_key(value: Any) -> Hashable | None:
     size (the policy of numpy arrays, :func:`array_fingerprint`).  A traced value (no concrete
     content) and an object no backend claims give ``None``.
     """
-    from ._registry import backend_for  # imported on use: the registry imports the caches
-
-    b = backend_for(value)
+    b = _owner_of(value)
     if b is None:
         return None
     try:

@@ -396,6 +396,12 @@ class DifferentiateWith:
                 break
         if caller is not None and caller.name == self.backend.name:
             return self.f(x, *args)  # the kernel's own library: it differentiates f natively
+        if caller is None:
+            from ._sparsity import Tracer, through_custom_function
+
+            if any(isinstance(v, Tracer) for v in floats):  # ad.Sparse's detection: opaque, a dense block
+                flat, treedef = pytree.tree_flatten((x, *args))
+                return through_custom_function(lambda *a: self(*a), flat, treedef)
         dtypes = {_dtype_text(v) for v in floats}
         if len(dtypes) > 1:
             raise InvalidArgumentError(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from . import _cache
 from . import _pytree as pytree
 from ._hooks import AdapterHooks
 from .protocol import Adapter
@@ -455,3 +456,6 @@ def backend_for(obj: Any) -> Backend | None:
     owner = _find_owner(obj)
     _OWNERS[t] = owner
     return owner
+
+
+_cache.set_owner_lookup(backend_for)  # the caches key another library's arrays through it

@@ -35,6 +35,7 @@ from abstractdiff._errors import (
     AbstractDiffError,
     ArgumentTypeError,
     CompositionError,
+    CustomRuleError,
     LoopDerivativeError,
     TracedControlFlowError,
 )
@@ -286,17 +287,25 @@ def _write(stack: Any, i: Any, y: Any) -> Any:
     return stack.write(i, y) if isinstance(stack, tf.TensorArray) else tf.tensor_scatter_nd_update(stack, [[i]], [y])
 
 
+# What building a tf.while_loop raises where TensorFlow's forward mode cannot go through it
+# (see _forward_while); a Python loop of the same steps can.
+_UNBUILDABLE = (InaccessibleTensorError, CustomRuleError)
+
+
 def _forward_while(build: Callable[[], Any]) -> Any:
     """``build()`` (a tf.while_loop), or NotImplemented (the core's Python loop, which the
-    accumulator records op by op, the same values) where TensorFlow cannot build it.
+    accumulator records op by op, each custom rule's jvp included) where TensorFlow cannot
+    build its forward mode.
 
     A ForwardAccumulator takes a While op's tangents from the gradient of its gradient, built
-    as soon as the loop is; a custom gradient in the body (a custom rule's, or the user's
-    tf.custom_gradient) closes over the body's tensors, which that second loop cannot reach:
-    TensorFlow raises InaccessibleTensorError while building the loop, before it runs."""
+    as soon as the loop is.  A custom gradient in the body (a custom rule's, or the user's
+    tf.custom_gradient) closes over the body's tensors, which that second loop cannot reach
+    (InaccessibleTensorError); an ad.custom_jvp's rule has no gradient to give it (its
+    CustomRuleError, which says reverse mode).  Both are raised while the loop is built,
+    before it runs.  An error of the body itself is raised again by the Python loop."""
     try:
         return build()
-    except InaccessibleTensorError:
+    except _UNBUILDABLE:
         return NotImplemented
 
 
@@ -343,12 +352,12 @@ class _Loops:
         init = [tf.convert_to_tensor(c) for c in init]
         try:
             return tf.while_loop(lambda c: cond(list(c)), lambda c: (_typed(body(list(c)), c),), (init,))[0]
-        except InaccessibleTensorError as err:  # see _forward_while; a Python loop needs cond's value
+        except _UNBUILDABLE as err:  # see _forward_while; a Python loop needs cond's value
             raise LoopDerivativeError(
-                "TensorFlow cannot build the forward-mode derivative of ad.while_loop here: a custom gradient "
-                "in its body (an ad.custom_vjp, ad.custom_root or tf.custom_gradient) reads tensors that "
-                "tf.while_loop's forward mode cannot reach, inside tf.function. Use ad.fori_loop or ad.scan with "
-                "a bound (they run as a traced Python loop then), reverse mode, or "
+                "TensorFlow cannot build the forward-mode derivative of ad.while_loop here: it takes a "
+                "tf.while_loop's tangents from the loop's gradient, which cannot go through the custom rule in "
+                f"its body inside tf.function ({type(err).__name__}: {str(err).splitlines()[0][:200]}). Use "
+                "ad.fori_loop or ad.scan with a bound (they run as a traced Python loop then), reverse mode, or "
                 "ad.backend('tensorflow', compile=False)"
             ) from err
 

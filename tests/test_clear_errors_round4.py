@@ -10,7 +10,8 @@
 * PyTensor: forward mode and Hessians through ``ad.scan`` over a vector (0-d slices) raised
   "expected an ndarray": a scan without a mode compiles its inner graph with C thunks.
 * TensorFlow: forward mode through a compiled ``ad.fori_loop`` / ``ad.scan`` whose body calls
-  an ``ad.custom_vjp`` raised InaccessibleTensorError.
+  an ``ad.custom_vjp`` raised InaccessibleTensorError, and through an ``ad.custom_jvp`` it
+  refused, saying reverse mode.
 * TensorFlow: ``ad.Sparse("tensorflow")``'s Hessian raised XLA's ``LookupError`` (``gradient
   registry has no entry for: XlaDynamicUpdateSlice``, inside a ``StagingError``) through
   ``ad.fori_loop`` and on a banded quadratic form built with ``concatenate`` or ``pad``: the
@@ -237,16 +238,19 @@ def test_tensorflow_sparse_hessian_through_fori_loop():
 
 
 @needs_tensorflow
+@pytest.mark.parametrize("kind", sorted(RULES))
 @pytest.mark.parametrize("loop", ["fori_loop", "scan"])
-def test_tensorflow_forward_mode_through_a_compiled_loop_with_a_custom_vjp(loop):
+def test_tensorflow_forward_mode_through_a_compiled_loop_with_a_custom_rule(kind, loop):
     # tf.while_loop's forward mode (the gradient of its gradient, built with the loop) cannot
-    # reach the tensors a custom gradient in the body reads: InaccessibleTensorError; the loop
+    # reach the tensors a custom_vjp's gradient reads (InaccessibleTensorError), and asks a
+    # custom_jvp for a reverse rule it has not (a CustomRuleError naming reverse mode): the loop
     # runs as a traced Python loop then, which the accumulator differentiates through the rule
-    rule = RULES["custom_vjp"]
+    rule = RULES[kind]
     f, expected = (_fori(rule), _fori_closed_form(X)) if loop == "fori_loop" else (_scan(rule), _scan_closed_form(X))
     b = ad.backend("tensorflow")  # compiled (tf.function)
     assert float(ad.to_numpy(ad.pushforward(b, f, X)(V))) == pytest.approx(expected @ V, rel=1e-10)
-    np.testing.assert_allclose(ad.to_numpy(ad.gradient(b, f, X)), expected, rtol=1e-10)
+    if kind == "custom_vjp":
+        np.testing.assert_allclose(ad.to_numpy(ad.gradient(b, f, X)), expected, rtol=1e-10)
 
 
 @needs_tensorflow

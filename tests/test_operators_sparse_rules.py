@@ -63,6 +63,7 @@ def test_jacobian_operator_is_the_jacobian_where_it_was_made_after_in_place_writ
     _close(J.T @ u, dense.T @ u, name)  # pullback
     _close(J @ EYE, dense, name)  # matmat: one batched pushforward
     assert np.all(x == 7.0) and np.all(w == -4.0)  # and the caller's arrays are as the caller left them
+    assert np.array_equal(v, [1.0, -2.0, 0.5, 3.0]) and np.array_equal(u, [0.5, 1.0, -1.0, 2.0])
 
 
 @pytest.mark.parametrize("name", BACKENDS)
