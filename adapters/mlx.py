@@ -39,17 +39,21 @@ Six MLX habits shape this module:
   derivative is lost without an error; a numpy value returned by ``f`` is refused (the
   core's one policy, :func:`abstractdiff._tree.check_output`).
 * MLX 0.32's ``mx.vjp``, ``mx.jvp`` and ``mx.grad`` clear the "traced" mark of every array
-  their function's graph reaches, the arrays it closes over included: an array of an outer
-  transform (``ad.second_derivative``'s, the user's ``mx.grad``) that an inner transform closes
-  over is, from then on, a plain value to MLX.  Evaluated, it is detached from the outer graph,
-  and a custom function (``ad.custom_vjp``, ``ad.custom_root``) applied to it is not recorded:
-  the outer derivative silently loses that path (``ad.derivative`` of ``ad.second_derivative``
-  through ``ad.custom_root`` came out 0).  So each transform here takes the arrays of an outer
-  transform among ``data`` (the arguments not differentiated) as primals of its own, with zero
-  tangents or unused cotangents (:func:`_outer_traced`), never through a closure; and nothing
-  is evaluated while one of this adapter's transforms runs (:func:`_evaluated`).  A closure of
-  the user's own over an outer array (``lambda t: f(t, s)`` inside ``mx.grad`` over ``s``) is
-  beyond the adapter's reach.
+  their function's graph reaches (its outputs, and the arrays it closes over): an array of an
+  outer transform (``ad.second_derivative``'s, the user's ``mx.grad``) that an inner transform
+  closes over, or that an inner transform returned, is from then on a plain value to MLX.
+  Evaluated (by ``mx.eval``, ``np.array``, ``float``), it is detached from the outer graph;
+  and even unevaluated, MLX drops the outer derivative through an inner transform closing
+  over it where the same function ran once before (``ad.derivative`` of
+  ``ad.second_derivative`` through ``ad.custom_root``, or of ``ad.pushforward`` in its
+  non-differentiated arguments, came out 0).  So each transform here takes the arrays of
+  ``data`` (the arguments not differentiated) that an outer transform may trace as primals of
+  its own, with zero tangents or unused cotangents (:func:`_outer_traced`, :func:`_primals`),
+  never through a closure; nothing is evaluated while one of this adapter's transforms runs
+  (:func:`_evaluated`), and a value read there (:meth:`MLXAdapter.to_numpy`) is read where
+  MLX keeps the graph.  A closure of the user's own over an array of the user's own
+  transform (``mx.grad`` over ``s`` of an operator of ``lambda t: f(t, s)``) is beyond the
+  adapter's reach.
 
 ``compile=False`` (the default) runs ``f`` eagerly under MLX's transforms, every call;
 Python control flow on values (``if x.sum() > 0``) works in every operator.
@@ -152,17 +156,20 @@ _TRANSFORMING = [0]
 
 
 def _outer_traced(arrays: Sequence[Any]) -> tuple[int, ...]:
-    """The positions of the MLX arrays among ``arrays`` that an outer transform traces (ours or
-    the user's): a transform built here takes these as primals, never through a closure,
+    """The positions of the MLX arrays among ``arrays`` that an outer transform may trace (ours
+    or the user's): a transform built here takes these as primals, never through a closure,
     whose traversal would clear their marks (see the module docstring).
 
-    Asked before this call's own transforms run, while the marks are still right:
-    ``mx.async_eval`` refuses a traced array and evaluates the others, which a top-level
-    call evaluates anyway.  Where a foreign kernel has run it cannot be asked (see
-    :func:`_evaluated`): every array is taken as traced when a transform runs."""
+    Inside one of this adapter's transforms, every MLX array: MLX's marks are not to be
+    trusted there (a nested transform clears those of its own outputs too), and an array
+    whose mark was cleared would be evaluated, and detached, by the question.  Outside them,
+    MLX is asked: ``mx.async_eval`` refuses a traced array and evaluates the others, which a
+    top-level call evaluates anyway; where a foreign kernel has run it cannot be asked (see
+    :func:`_evaluated`), and every array is taken as traced inside a transform."""
+    if _TRANSFORMING[0] or _FOREIGN_KERNELS[0] and _in_transform():
+        return tuple(i for i, a in enumerate(arrays) if isinstance(a, mx.array))
     if _FOREIGN_KERNELS[0]:
-        nested = _TRANSFORMING[0] > 0 or _in_transform()
-        return tuple(i for i, a in enumerate(arrays) if nested and isinstance(a, mx.array))
+        return ()
     traced = []
     for i, a in enumerate(arrays):
         if isinstance(a, mx.array):
@@ -487,7 +494,13 @@ class MLXAdapter(Adapter):
         return _from_numpy(a, _mx_dtype(a.dtype.name))
 
     def to_numpy(self, a: Any) -> np.ndarray:
-        return _to_numpy(a.value if isinstance(a, MLXParameter) else a)
+        a = a.value if isinstance(a, MLXParameter) else a
+        if _TRANSFORMING[0]:
+            # a value read inside one of this adapter's transforms (custom_root's convergence
+            # test): read where MLX keeps the graph, since an array whose mark a nested
+            # transform cleared would be detached from the outer graph by its evaluation
+            return _in_vjp_rule(lambda: _to_numpy(a))
+        return _to_numpy(a)
 
     def numpy_view(self, a: Any) -> np.ndarray:
         # the array's own memory (np.array copies), read-only: MLX arrays are immutable.
@@ -621,42 +634,48 @@ class MLXAdapter(Adapter):
         finally:
             _TRANSFORMING[0] -= 1
 
-    def _forward_or_reverse(self, fn: Any, operator: str, build: Callable[[_Traced, bool], Callable],
-                            *args: Any) -> Any:
-        """``build(traced, reverse)``'s function called on ``args``: the forward-mode route,
-        or its reverse-mode twin where MLX lacks a JVP rule (cumprod, scatter: the
-        derivatives of prod and of indexing), remembered per flat function."""
+    def _forward_or_reverse(self, fn: Any, operator: str, build: Callable[[_Traced, bool, tuple], Callable],
+                            lift: tuple[int, ...], *args: Any) -> Any:
+        """``build(traced, reverse, lift)``'s function called on ``args``: the forward-mode
+        route, or its reverse-mode twin where MLX lacks a JVP rule (cumprod, scatter: the
+        derivatives of prod and of indexing), remembered per flat function.  ``lift``: the
+        positions in ``[*xs, *data]`` of the arrays an outer transform traces (see
+        :func:`_outer_traced`), each its own trace."""
         route = artefacts(fn, self.backend, f"{operator}: route")
+        traced_as = f" lifting {lift}" if lift else ""
         if route.peek("reverse") is None:
-            call, _ = self._compiled(fn, operator, lambda traced: build(traced, False))
+            call, _ = self._compiled(fn, operator + traced_as, lambda traced: build(traced, False, lift))
             try:
                 return self._call(call, *args)
             except (RuntimeError, ValueError) as err:  # MLX raises either, by primitive
                 if _NO_JVP.search(str(err)) is None:
                     raise
                 route.put("reverse", True)
-        call, _ = self._compiled(fn, f"{operator} (reverse)", lambda traced: build(traced, True))
+        call, _ = self._compiled(fn, f"{operator} (reverse){traced_as}", lambda traced: build(traced, True, lift))
         return self._call(call, *args)
 
     # ------------------------------------------------------------- primitives
     # The batched forms are one mx.vmap of the primitive's transform over the stacked
     # cotangents or tangents: the core's Jacobians and Hessians are one call per chunk.
     def value_and_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
-        return self._value_and_linear(fn, xs, data, "vjp", lambda traced, _: _vjp(traced))
+        return self._value_and_linear(fn, xs, data, "vjp", lambda traced, _, lift: _vjp(traced, lift))
 
     def value_and_batched_pullback(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
-        return self._value_and_linear(fn, xs, data, "batched vjp", lambda traced, _: _batched(_vjp(traced)))
+        return self._value_and_linear(fn, xs, data, "batched vjp",
+                                      lambda traced, _, lift: _batched(_vjp(traced, lift)))
 
     def value_and_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
         return self._value_and_linear(fn, xs, data, "jvp", _jvp)
 
     def value_and_batched_pushforward(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Callable]:
-        return self._value_and_linear(fn, xs, data, "batched jvp", lambda traced, r: _batched(_jvp(traced, r)))
+        return self._value_and_linear(fn, xs, data, "batched jvp",
+                                      lambda traced, r, lift: _batched(_jvp(traced, r, lift)))
 
     def _value_and_linear(self, fn: FlatFn, xs: list, data: list, operator: str,
-                          build: Callable[[_Traced, bool], Callable]) -> tuple[Any, Any, Callable]:
+                          build: Callable[[_Traced, bool, tuple], Callable]) -> tuple[Any, Any, Callable]:
         """``(y, aux, apply)``: ``apply(v)`` is ``build``'s transform (a pullback or a
         pushforward, batched or not) at ``xs``, run on ``v``."""
+        lift = _outer_traced([*xs, *data])  # before f runs: its transforms may clear the marks
         forward, traced = self._compiled(fn, "value", lambda traced: traced)
         y, aux = self._call(forward, xs, data)
         # a batched form's value is evaluated with its first batch, in one graph: the core's
@@ -675,9 +694,10 @@ class MLXAdapter(Adapter):
             if _empty(xs):
                 return mx.zeros((*v[0].shape[: v[0].ndim - xs[0].ndim], *y.shape), y.dtype)
             if pullback:
-                call, _ = self._compiled(fn, operator, lambda traced: build(traced, False))
+                call, _ = self._compiled(fn, operator + (f" lifting {lift}" if lift else ""),
+                                         lambda traced: build(traced, False, lift))
                 return _evaluated(self._call(call, xs, data, v), *pending)
-            out = self._forward_or_reverse(fn, operator, build, xs, data, list(v))
+            out = self._forward_or_reverse(fn, operator, build, lift, xs, data, list(v))
             if out.dtype != y.dtype:  # a float64 tangent must not widen a float32 result
                 out = out.astype(y.dtype)
             return _evaluated(out, *pending)
@@ -691,7 +711,14 @@ class MLXAdapter(Adapter):
         compiled, traced = self._compiled(fn, "gradient", mx.value_and_grad)
 
         def run(xs: list, data: list) -> tuple[Any, Any, list]:
-            (y, aux), grads = self._call(compiled, xs, data)  # on the device's stream (evaluated lazily)
+            # mx.value_and_grad hands the arguments it does not differentiate to f as they are:
+            # those an outer transform traces are differentiated too (see _outer_traced)
+            lift = _outer_traced(data) if data else ()
+            if lift:
+                call, _ = self._compiled(fn, f"gradient lifting {lift}", lambda traced: _value_and_grad(traced, lift))
+            else:
+                call = compiled
+            (y, aux), grads = self._call(call, xs, data)  # on the device's stream (evaluated lazily)
             _evaluated(y, aux, grads, xs, data)
             return y, traced.aux(xs, data, aux), grads
 
@@ -723,19 +750,21 @@ class MLXAdapter(Adapter):
     def jacobian(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, list]:
         if _empty(xs):
             return DerivedOperators.flat_jacobian(self.backend, fn, xs, data)
-        y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, xs, data)
+        y, jacs = self._forward_or_reverse(fn, "jacobian", _jacobian, _outer_traced([*xs, *data]), xs, data)
         _evaluated(y, jacs, xs, data)
         return y, list(jacs)
 
     def hessian(self, fn: FlatFn, xs: list, data: list) -> Any:
         if _empty(xs):
             return DerivedOperators.flat_hessian(self.backend, fn, xs, data)
-        return _evaluated(self._forward_or_reverse(fn, "hessian", _hessian, xs[0], data), xs, data)
+        lift = _outer_traced([*xs, *data])
+        return _evaluated(self._forward_or_reverse(fn, "hessian", _hessian, lift, xs[0], data), xs, data)
 
     def hvp(self, fn: FlatFn, xs: list, data: list, tangents: list) -> list:
         if _empty(xs):
             return DerivedOperators.flat_hvp(self.backend, fn, xs, data, tangents)
-        return list(_evaluated(self._forward_or_reverse(fn, "hvp", _hvp, xs, data, list(tangents)), xs, data))
+        lift = _outer_traced([*xs, *data])
+        return list(_evaluated(self._forward_or_reverse(fn, "hvp", _hvp, lift, xs, data, list(tangents)), xs, data))
 
 
 # ---------------------------------------------------------------------------------------
@@ -767,8 +796,51 @@ def _no_vjp_error(primitive: str) -> CompositionError:
     )
 
 
-def _vjp(traced: _Traced) -> Callable:
-    return lambda xs, data, dy: mx.vjp(traced.value(data), xs, [dy])[1]
+def _primals(value: Callable[[list, list], Any], xs: list, data: list, lift: tuple[int, ...]
+             ) -> tuple[Callable[..., Any], list]:
+    """``(g, primals)`` with ``g(*primals) == value(xs, data)``: the arrays of ``data`` that an
+    outer transform traces (``lift``, positions in ``[*xs, *data]``: see :func:`_outer_traced`)
+    are primals after ``xs``, not values ``g`` closes over.  Integer ones are stopped inside
+    (MLX refuses some derivatives in them: a gather's indices); a float one is differentiated,
+    its tangent zero or its cotangent unused, so that the outer transform still sees the
+    derivative through it."""
+    k = len(xs)
+    lifted = [i - k for i in lift if i >= k]
+    if not lifted:
+        return (lambda *a: value(list(a), data)), list(xs)
+
+    def g(*a: Any) -> Any:
+        full = list(data)
+        for i, d in zip(lifted, a[k:]):
+            full[i] = d if mx.issubdtype(d.dtype, mx.inexact) else mx.stop_gradient(d)
+        return value(list(a[:k]), full)
+
+    return g, [*xs, *(data[i] for i in lifted)]
+
+
+def _zeros(primals: list, k: int) -> list:
+    """Zero tangents for the lifted primals after the first ``k`` (see :func:`_primals`)."""
+    return [mx.zeros_like(p) for p in primals[k:]]
+
+
+def _vjp(traced: _Traced, lift: tuple[int, ...] = ()) -> Callable:
+    def vjp(xs: list, data: list, dy: Any) -> list:
+        g, primals = _primals(lambda xs, data: traced(xs, data)[0], xs, data, lift)
+        return mx.vjp(g, primals, [dy])[1][: len(xs)]
+
+    return vjp
+
+
+def _value_and_grad(traced: _Traced, lift: tuple[int, ...]) -> Callable:
+    """``mx.value_and_grad(traced)`` with the arrays of ``data`` at ``lift`` (positions in
+    ``data``) primals too, their gradients unused (see :func:`_primals`)."""
+    def value_and_grad(xs: list, data: list) -> tuple:
+        k = len(xs)
+        g, primals = _primals(traced, xs, data, tuple(k + i for i in lift))
+        (y, aux), grads = mx.value_and_grad(lambda p: g(*p))(primals)
+        return (y, aux), grads[:k]
+
+    return value_and_grad
 
 
 def _batched(one: Callable) -> Callable:
@@ -776,20 +848,25 @@ def _batched(one: Callable) -> Callable:
     return lambda xs, data, vs: mx.vmap(lambda v: one(xs, data, v))(vs)
 
 
-def _jvp(traced: _Traced, reverse: bool) -> Callable:
+def _jvp(traced: _Traced, reverse: bool, lift: tuple[int, ...] = ()) -> Callable:
     def jvp(xs: list, data: list, ts: list) -> Any:
-        value = traced.value(data)
+        k = len(xs)
+        g, primals = _primals(lambda xs, data: traced(xs, data)[0], xs, data, lift)
         if not reverse:
-            return mx.jvp(value, xs, ts)[1][0]
-        # u -> J^T u is linear in u: its pullback, t -> J t, is the JVP, made of VJP rules only
-        zeros = mx.zeros_like(value(*xs))
-        return mx.vjp(lambda u: mx.vjp(value, xs, [u])[1], [zeros], ts)[1][0]
+            return mx.jvp(g, primals, [*ts, *_zeros(primals, k)])[1][0]
+        # u -> J^T u is linear in u: its pullback, t -> J t, is the JVP, made of VJP rules only.
+        # The outer mx.vjp's function closes over the primals: where an outer transform traces
+        # one of them, they are its primals too, their cotangents unused
+        zeros = mx.zeros_like(g(*primals))
+        if not lift:
+            return mx.vjp(lambda u: mx.vjp(g, primals, [u])[1], [zeros], ts)[1][0]
+        return mx.vjp(lambda u, *p: mx.vjp(g, list(p), [u])[1][:k], [zeros, *primals], ts)[1][0]
 
     return jvp
 
 
-def _jacobian(traced: _Traced, reverse: bool) -> Callable:
-    vjps, jvps = _batched(_vjp(traced)), _batched(_jvp(traced, False))
+def _jacobian(traced: _Traced, reverse: bool, lift: tuple[int, ...] = ()) -> Callable:
+    vjps, jvps = _batched(_vjp(traced, lift)), _batched(_jvp(traced, False, lift))
 
     def jacobian(xs: list, data: list) -> tuple[Any, list]:
         y = traced.value(data)(*xs)
@@ -808,8 +885,8 @@ def _jacobian(traced: _Traced, reverse: bool) -> Callable:
     return jacobian
 
 
-def _hessian(traced: _Traced, reverse: bool) -> Callable:
-    hvps = _batched(_hvp(traced, reverse))
+def _hessian(traced: _Traced, reverse: bool, lift: tuple[int, ...] = ()) -> Callable:
+    hvps = _batched(_hvp(traced, reverse, lift))
 
     def hessian(x: Any, data: list) -> Any:
         n = x.size
@@ -820,12 +897,16 @@ def _hessian(traced: _Traced, reverse: bool) -> Callable:
     return hessian
 
 
-def _hvp(traced: _Traced, reverse: bool) -> Callable:
+def _hvp(traced: _Traced, reverse: bool, lift: tuple[int, ...] = ()) -> Callable:
     def hvp(xs: list, data: list, ts: list) -> list:
-        grad = mx.grad(lambda xs: traced(xs, data)[0])
+        k = len(xs)
+        g, primals = _primals(lambda xs, data: traced(xs, data)[0], xs, data, lift)
+        grad = mx.grad(lambda p: g(*p))
         # reverse: H is symmetric, the pullback of the gradient is the product; else forward
         # over reverse, one jvp of the gradient, no Hessian built
-        return (mx.vjp if reverse else mx.jvp)(lambda *xs: grad(list(xs)), xs, ts)[1]
+        if reverse:
+            return mx.vjp(lambda *p: grad(list(p))[:k], primals, ts)[1][:k]
+        return mx.jvp(lambda *p: grad(list(p))[:k], primals, [*ts, *_zeros(primals, k)])[1]
 
     return hvp
 

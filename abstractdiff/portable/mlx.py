@@ -183,6 +183,20 @@ def _solve_jvp(primals: Any, tangents: Any) -> Any:
     return out[..., 0] if vector else out
 
 
+@_solve.vmap
+def _solve_vmap(inputs: Any, axes: Any) -> tuple[Any, int]:
+    # batched on axis 0 and solved by _solve again: without this rule MLX batches
+    # mx.linalg.solve's own graph under mx.vmap (a Hessian's rows), and a derivative taken
+    # outside the vmap meets the LU pivots' gather, which has no derivative, not the rules
+    (a, b), (ax_a, ax_b) = inputs, axes
+    size = a.shape[ax_a] if ax_a is not None else b.shape[ax_b]
+    vector = b.ndim - (ax_b is not None) == 1
+    a = mx.broadcast_to(a, (size, *a.shape)) if ax_a is None else mx.moveaxis(a, ax_a, 0)
+    b = mx.broadcast_to(b, (size, *b.shape)) if ax_b is None else mx.moveaxis(b, ax_b, 0)
+    x = _solve(a, b[..., None] if vector else b)
+    return (x[..., 0] if vector else x), 0
+
+
 def _phi(a: Any) -> Any:
     # the lower triangle, with half the diagonal
     return mx.tril(a) - 0.5 * a * mx.eye(a.shape[-1], dtype=a.dtype)
