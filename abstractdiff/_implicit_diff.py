@@ -54,9 +54,16 @@ def _eps(a: Any) -> float:
 
 
 def _safe_div(a: Any, b: Any) -> Any:
-    """``a / b``, and 0 where ``b`` is 0 (BiCGSTAB's scalars once it has converged, under a trace)."""
-    # abs(b) > 0 rather than b == 0: PyTensor's == compares variables, not values
-    return a / ar().do("where", ar().do("abs", b) > 0, b, b * 0 + 1)
+    """``a / b``, and 0 where ``|b|`` is below the square root of the dtype's smallest normal
+    number: BiCGSTAB's scalars once it has converged, under a trace, where it runs on and
+    its residuals keep shrinking.  A derivative of ``a / b`` divides by ``b**2``, which
+    underflows to 0 below that bound (inf, then nan, in every second derivative); exactly 0
+    was not enough."""
+    name = ar().get_dtype_name(b)
+    small = float(np.finfo(np.dtype("float32" if name == "bfloat16" else name)).tiny) ** 0.5
+    # abs(b) > small rather than a comparison of b: PyTensor's == compares variables, not values
+    live = ar().do("abs", b) > small
+    return ar().do("where", live, a, a * 0) / ar().do("where", live, b, b * 0 + 1)
 
 
 def bicgstab(matvec: Callable[[Any], Any], b: Any, *, tol: float | None = None, maxiter: int | None = None) -> Any:

@@ -266,3 +266,33 @@ if __name__ == "__main__":  # writes the guide's table from REFUSED
     text = path.read_text()
     start, end = text.index(_START), text.index(_END) + len(_END)
     path.write_text(text[:start] + custom_root_table() + text[end:])
+
+
+@pytest.mark.parametrize("name", ["jax", "tensorflow", "mlx"])
+def test_second_order_through_the_default_solve_under_a_trace(name: str) -> None:
+    """Compiled, BiCGSTAB runs all its iterations after converging and its residuals keep
+    shrinking: a derivative of its scalars divided by their squares, which underflowed to 0
+    (jax's Hessian of this fixed point was nan). Found by the differential oracle."""
+    jax = pytest.importorskip("jax")
+    b = ad.backend(name, **({"compile": True} if name == "mlx" else {})) if unavailable_reason(name) is None \
+        else pytest.skip(unavailable_reason(name))
+
+    @ad.custom_fixed_point(lambda x, a: anp.cos(a * x))
+    def fixed(init, a):
+        x, a = ad.stop_gradient((init, a))
+        for _ in range(7):  # Newton on x - cos(a x)
+            x = x - (x - anp.cos(a * x)) / (1 + a * anp.sin(a * x))
+        return x
+
+    with jax.enable_x64(True):
+        import jax.numpy as jnp
+
+        def reference(a):
+            x = jnp.ones_like(a)
+            for _ in range(60):
+                x = x - (x - jnp.cos(a * x)) / (1 + a * jnp.sin(a * x))
+            return x
+
+        want = float(jax.hessian(reference)(jnp.asarray(0.8)))
+    got = ad.to_numpy(ad.hessian(b, lambda a: fixed(anp.ones_like(a), a), np.array(0.8)))
+    np.testing.assert_allclose(float(got), want, rtol=1e-8)
