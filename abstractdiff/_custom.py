@@ -160,6 +160,9 @@ class Rule:
         #: a tape or accumulator made inside sees nothing): rules that take derivatives in their
         #: jvp (custom_root's) refuse forward mode there
         self.derivatives_in_jvp = True
+        #: True for a rule whose fwd, bwd or jvp calls the operators (ad.custom_root's): a
+        #: library that cannot build that into a compiled loop's body runs the loop in Python
+        self.takes_derivatives = getattr(spec, "takes_derivatives", False)
         self._args = args
         self._leaves = leaves
         self._treedef = treedef

@@ -202,6 +202,7 @@ class _ImplicitRule(_CustomFunction):
     """
 
     _kind = "custom_vjp"
+    takes_derivatives = True  # its rules call the backend's operators (Rule.takes_derivatives)
 
     def __init__(self, owner: _ImplicitSolver, attached: bool):
         super().__init__(owner._attached_value if attached else owner._solve_fixed)

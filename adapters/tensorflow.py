@@ -275,6 +275,17 @@ def _typed(values: list, like: list) -> list:
     return [tf.cast(v, c.dtype) for v, c in zip(values, like)]  # tf.while_loop keeps the carry's dtypes
 
 
+def _in_while_body() -> bool:
+    """Whether ops are being built into a tf.while_loop's body (the innermost graph or one it
+    is nested in)."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if type(graph).__name__ == "WhileBodyFuncGraph":
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
 def _graph_loop(leaves: list) -> bool:
     # eagerly, and under two differentiations at once (a ForwardAccumulator cannot go through
     # tf.while_loop's gradient), the core's Python loop, which the tapes record as it runs
@@ -671,6 +682,11 @@ class TensorFlowAdapter(Adapter):
         # TensorFlow runs a jvp function with every tape and accumulator hidden, new ones too: a
         # rule that differentiates inside its jvp (ad.custom_root's) would get zeros there
         rule.derivatives_in_jvp = False
+        if rule.takes_derivatives and _in_while_body():
+            # a rule that differentiates inside itself (ad.custom_root's) loses the implicit part
+            # of its derivative when it is built into a tf.while_loop's body: the loop hooks
+            # catch this refusal and run the core's Python loop instead (see _forward_while)
+            raise CustomRuleError(f"{rule.name}: a rule that takes derivatives cannot run inside tf.while_loop")
 
         def h(*inputs: Any) -> tuple:
             inputs = [tf.convert_to_tensor(a) for a in inputs]

@@ -44,8 +44,8 @@ runs 2000 cases per backend and appends each new minimal failure to
     report = run_oracle(["torch", "mlx"], examples=500, seed=7)
     print(report.summary())
 
-or ``python -m abstractdiff.testing._oracle --examples 500 torch mlx``.  jax must be
-installed (it computes every reference); nothing here is imported before it is used.
+jax must be installed (it computes every reference); no AD library (nor Hypothesis) is
+imported before it is used.
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["BLOCKS", "MODES", "Case", "OracleReport", "Outcome", "minimize", "oracle_cases", "run_case", "run_oracle"]
+__all__ = [
+    "BLOCKS", "MODES", "Case", "OracleReport", "Outcome", "exact_backends", "load_failures", "minimize", "oracle_cases",
+    "run_case", "run_oracle", "save_failures",
+]
 
 #: A user's global, read by the rules of ``scaled_*`` (in their ``bwd`` / ``jvp`` alone) and
 #: ``global_*`` (their function and rule).  The oracle sets it before each call of a case that
@@ -190,6 +193,7 @@ class OracleReport:
             if minimal.case != found.case:
                 lines.append(f"    (reduced from: {found.case.label()})")
             lines.append(f"    json: {json.dumps(minimal.case.to_json())}")
+        lines += [o.describe() for o in self.outcomes if o.kind == "slow"]
         return "\n".join(lines)
 
 
@@ -290,15 +294,21 @@ def _rules() -> dict[str, Any]:
             x = (2 * x + a / x**2) / 3
         return x
 
-    # (anp.transpose, not .T: TensorFlow's tensors have no .T)
+    # matrix-vector products as sums and a column right-hand side: TensorFlow's tensors have
+    # no .T and its matmul and solve take matrices only
+    def mv(a: Any, w: Any) -> Any:
+        return anp.sum(a * w, axis=1)
+
     def ridge_optimality(w: Any, lam: Any, X: Any, y: Any, eye: Any) -> Any:
-        return anp.transpose(X) @ (X @ w - y) + (eye * lam) @ w
+        return mv(anp.transpose(X), mv(X, w) - y) + mv(eye * lam, w)
 
     def ridge_solver(init: Any, lam: Any, X: Any, y: Any, eye: Any) -> Any:
         w, lam, X, y, eye = ad.stop_gradient((init, lam, X, y, eye))
         hessian = anp.transpose(X) @ X + eye * lam
+        column = (-1, 1)
         for _ in range(2):  # a quadratic: one Newton step is exact, the second polishes
-            w = w - anp.linalg.solve(hessian, ridge_optimality(w, lam, X, y, eye))
+            step = anp.linalg.solve(hessian, anp.reshape(ridge_optimality(w, lam, X, y, eye), column))
+            w = w - anp.reshape(step, (-1,))
         return w
 
     def cos_map(x: Any, a: Any) -> Any:
@@ -591,7 +601,9 @@ def _compose(case: Case, reference: bool) -> tuple[Callable, Callable, Callable]
         import abstractdiff as ad
 
         np_, fori, scan = _anp(), ad.fori_loop, ad.scan
-    parts = [(_block(n).reference if reference else _block(n).feature)(case.shape) for n in case.blocks]
+    # a tuple: a list is a mutable container, whose contents the trace caches document as
+    # unseen (a rule reached through one and reading a changed global would be stale by design)
+    parts = tuple((_block(n).reference if reference else _block(n).feature)(case.shape) for n in case.blocks)
 
     def inner(v: Any, d: dict) -> Any:
         if case.combine == "chain":
@@ -673,11 +685,13 @@ def _op(name: str, which: int, *extra: str) -> Callable[..., Callable]:
     def run(b: Any, fns: tuple, x: Any, d: dict, prepared: bool) -> Callable:
         import abstractdiff as ad
 
-        fn, more = fns[which], [d[e] for e in extra]
+        def args(d: dict) -> list:
+            return [*(d[e] for e in extra), d]
+
         if prepared:
-            prep = getattr(ad, f"prepare_{name}")(b, fn, x, *more, d)
-            return lambda x, d: prep(x, *[d[e] for e in extra], d)
-        return lambda x, d: getattr(ad, name)(b, fn, x, *[d[e] for e in extra], d)
+            prep = getattr(ad, f"prepare_{name}")(b, fns[which], x, *args(d))
+            return lambda x, d: prep(x, *args(d))
+        return lambda x, d: getattr(ad, name)(b, fns[which], x, *args(d))
 
     return run
 
@@ -715,22 +729,23 @@ def _nested(outer: str, build: Callable[[Any, tuple], Callable]) -> Callable[...
     return run
 
 
-def _grad_of(inner: str) -> Callable[[Any, tuple], Callable]:
-    """``x -> sum(w2 * ad.<inner>(F, x))`` (``gradient`` or ``hvp``), or for ``"second"``
-    ``x -> ad.second_derivative(f, x)``, or for ``"gradient_vector"`` ``ad.gradient(F, x)``."""
+def _inner(kind: str) -> Callable[[Any, tuple], Callable]:
+    """The function a nested mode differentiates: ``x -> sum(w2 * ad.gradient(F, x))``
+    (``"gradient"``), ``x -> sum(w2 * ad.hvp(F, x, v))`` (``"hvp"``), ``x ->
+    ad.second_derivative(f, x)`` (``"second_derivative"``) or the vector ``x ->
+    ad.gradient(F, x)`` (``"gradient_vector"``), each computed with the case's backend."""
 
     def build(b: Any, fns: tuple) -> Callable:
         import abstractdiff as ad
 
         anp = _anp()
         f, F, _ = fns
-        if inner == "gradient":
-            return lambda x, d: anp.sum(ad.gradient(b, F, x, d) * d["w2"])
-        if inner == "hvp":
-            return lambda x, d: anp.sum(ad.hvp(b, F, x, d["v"], d) * d["w2"])
-        if inner == "second":
-            return lambda x, d: ad.second_derivative(b, f, x, d)
-        return lambda x, d: ad.gradient(b, F, x, d)
+        return {
+            "gradient": lambda x, d: anp.sum(ad.gradient(b, F, x, d) * d["w2"]),
+            "hvp": lambda x, d: anp.sum(ad.hvp(b, F, x, d["v"], d) * d["w2"]),
+            "second_derivative": lambda x, d: ad.second_derivative(b, f, x, d),
+            "gradient_vector": lambda x, d: ad.gradient(b, F, x, d),
+        }[kind]
 
     return build
 
@@ -789,11 +804,11 @@ MODES: dict[str, Mode] = {
         Mode("hvp", 2, _op("hvp", 1, "v"), _jax_ref("hvp")),
         Mode("hessian", 2, _op("hessian", 1), _jax_ref("hessian"), sparse=True),
         Mode("second_derivative", 2, _op("second_derivative", 0), _jax_ref("second_derivative"), scalar=True),
-        Mode("gradient_of_gradient", 2, _nested("gradient", _grad_of("gradient")), _jax_ref("gradient_of_gradient")),
-        Mode("pushforward_of_gradient", 2, _nested("pushforward", _grad_of("gradient_vector")),
+        Mode("gradient_of_gradient", 2, _nested("gradient", _inner("gradient")), _jax_ref("gradient_of_gradient")),
+        Mode("pushforward_of_gradient", 2, _nested("pushforward", _inner("gradient_vector")),
              _jax_ref("pushforward_of_gradient")),
-        Mode("gradient_of_hvp", 3, _nested("gradient", _grad_of("hvp")), _jax_ref("gradient_of_hvp")),
-        Mode("derivative_of_second_derivative", 3, _nested("derivative", _grad_of("second")),
+        Mode("gradient_of_hvp", 3, _nested("gradient", _inner("hvp")), _jax_ref("gradient_of_hvp")),
+        Mode("derivative_of_second_derivative", 3, _nested("derivative", _inner("second_derivative")),
              _jax_ref("derivative_of_second_derivative"), scalar=True),
     )
 }
@@ -887,7 +902,9 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         raise _Slow
 
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    # and again every second: an alarm that lands in a finalizer or a weakref callback is
+    # printed and ignored by Python
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
@@ -1082,12 +1099,13 @@ def run_oracle(
 ) -> OracleReport:
     """Run the oracle: the ``saved`` cases first, then ``examples`` drawn cases per backend.
 
-    ``run_oracle(backends=None, examples=50, seed=45) -> OracleReport``.  ``backends``:
-    default, every installed exact backend but jax's reference itself is included too (its
-    features against its own closed forms).  Each failure is reduced (:func:`minimize`, at
-    most ``minimize_budget`` more runs) and reported once per kind of case; ``save_to``: a
-    JSON file (``tests/oracle_failures.json``'s format) the new minimal failures are
-    appended to.  The long hunt: ``examples=2000``.
+    ``run_oracle(backends=None, examples=50, seed=45) -> OracleReport``.  ``backends``: names
+    of installed backends (default :func:`exact_backends`: every exact one, jax included, whose
+    features are then checked against jax's own mechanisms).  Every case runs, whatever fails;
+    each failure is reduced (:func:`minimize`, at most ``minimize_budget`` more runs) and
+    reported once per kind of case.  A case running past ``time_limit`` seconds is stopped and
+    counted as slow.  ``save_to``: a JSON file in ``tests/oracle_failures.json``'s format, to
+    which the new minimal failures are appended.  The long hunt: ``examples=2000``.
     """
     report = OracleReport()
     seen: set[tuple] = set()
@@ -1127,14 +1145,17 @@ def load_failures(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def save_failures(path: str | os.PathLike, outcomes: Sequence[Outcome]) -> int:
     """Append the cases of ``outcomes`` that ``path`` does not hold yet; returns how many.
-    Locked, so two pytest-xdist workers of a long hunt can append at once."""
-    import contextlib
+    Under a lock (in the temporary directory), so the pytest-xdist workers of a long hunt can
+    append at once."""
+    import hashlib
+    import tempfile
 
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: appends are not locked
         fcntl = None
-    with open(f"{path}.lock", "w") as lock:
+    digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+    with open(os.path.join(tempfile.gettempdir(), f"abstractdiff-oracle-{digest}.lock"), "w") as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         entries = load_failures(path)
@@ -1144,29 +1165,9 @@ def save_failures(path: str | os.PathLike, outcomes: Sequence[Outcome]) -> int:
             key = json.dumps(o.case.to_json(), sort_keys=True)
             if key not in known:
                 known.add(key)
-                entries.append({"case": o.case.to_json(), "found": f"{o.kind}: {o.detail}"[:400], "note": ""})
+                entries.append({"case": o.case.to_json(), "found": f"{o.kind}: {o.detail}"[:300], "note": ""})
                 added += 1
         with open(path, "w") as fh:
             json.dump({"cases": entries}, fh, indent=1)
             fh.write("\n")
-    with contextlib.suppress(OSError):
-        os.remove(f"{path}.lock")
     return added
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="abstractdiff's differential oracle (a long hunt)")
-    parser.add_argument("backends", nargs="*", help="default: every installed exact backend")
-    parser.add_argument("--examples", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=45)
-    parser.add_argument("--save", default=None, help="append new minimal failures to this JSON file")
-    args = parser.parse_args(argv)
-    report = run_oracle(args.backends or None, examples=args.examples, seed=args.seed, save_to=args.save)
-    print(report.summary())
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(_main())
