@@ -41,6 +41,22 @@ REFUSED: dict[tuple[str, ...], str] = {
 }
 
 
+#: Cells still wrong (or an unclear error) today, each an open bug of issue 45: xfail, strict,
+#: so that a fix turns them into failures to remove from here (and the guide's table).
+OPEN: dict[tuple[str, str, str], str] = {
+    # PyTensor builds forward mode by transposing the reverse rule's graph, which the default
+    # iterative solve is not linear in as computed: 0 (the jvp rule is not used)
+    **{("pytensor", p, m): "PyTensor forward mode transposes the backward" for p, m in [
+        ("sqrt", "derivative"), ("sqrt", "second_derivative"), ("sqrt", "third"), ("ridge", "second_derivative"),
+        ("ridge", "third")]},
+}
+
+
+def _open(name: str, problem: str, mode: str) -> pytest.MarkDecorator | None:
+    reason = OPEN.get((name, problem, mode))
+    return None if reason is None else pytest.mark.xfail(strict=True, reason=f"open (issue 45): {reason}")
+
+
 def _refusal(name: str, problem: str, mode: str) -> str | None:
     return REFUSED.get((name, mode), REFUSED.get((name, mode, problem)))
 
@@ -141,9 +157,10 @@ def _expected(mode: str, derivatives: list) -> np.ndarray:
     return np.array([value, 2 * value, 3 * value]) if mode == "jacobian" else np.array(value)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("problem", sorted(PROBLEMS))
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name,problem,mode", [
+    pytest.param(n, p, m, marks=[mark] if (mark := _open(n, p, m)) else [])
+    for n in EXACT for p in sorted(PROBLEMS) for m in MODES
+])
 def test_custom_root_is_right_or_refused_in_every_mode(name: str, problem: str, mode: str) -> None:
     b = _backend(name)
     f, x, derivatives = PROBLEMS[problem]()
@@ -159,7 +176,9 @@ def test_custom_root_is_right_or_refused_in_every_mode(name: str, problem: str, 
 
 
 # --------------------------------------------------------------- a DEQ layer, against jax
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="open (issue 45): a graph input PyTensor "
+                                            "reports missing")) if n == "pytensor" else n for n in EXACT])
 def test_the_hessian_of_a_deq_layer_in_its_bias(name: str) -> None:
     """x = tanh(W x + b) by the default (matrix-free) solve: its Hessian in b against jax's of
     the converged iteration (was wrong on mlx, nan on tensorflow and torch)."""
@@ -238,6 +257,8 @@ def custom_root_table() -> str:
     ``ad.CustomRuleError``, the REFUSED table)."""
 
     def cell(name: str, mode: str) -> str:
+        if any((name, p, mode) in OPEN for p in PROBLEMS):
+            return "**wrong today** (an open bug)"
         refused = [p for p in sorted(PROBLEMS) if _refusal(name, p, mode) is not None]
         if not refused:
             return "right"
