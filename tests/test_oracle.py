@@ -12,7 +12,7 @@ The long hunt (minutes per backend; new minimal failures are appended to the JSO
 
     ABSTRACTDIFF_ORACLE_EXAMPLES=2000 .venv/bin/python -m pytest tests/test_oracle.py -p no:cacheprovider -q -s
 
-``ABSTRACTDIFF_ORACLE_SEED`` draws other cases.  See :mod:`abstractdiff.testing._oracle`.
+``ABSTRACTDIFF_ORACLE_SEED`` draws other cases.  See tests/_oracle.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import abstractdiff as ad
 pytest.importorskip("hypothesis")
 pytest.importorskip("jax", reason="jax computes the differential oracle's references")
 
-from abstractdiff.testing import _oracle  # noqa: E402 (after the skips)
+from . import _oracle  # noqa: E402 (after the skips)
 
 FAILURES = Path(__file__).with_name("oracle_failures.json")
 

@@ -31,7 +31,6 @@ from ._check import (
     is_approximate,
 )
 from ._loops import loop_scenarios
-from ._oracle import run_oracle as run_oracle  # the differential oracle (issue 45): see its module
 from ._rules import rule_scenarios
 from ._scenarios import OPERATORS, Scenario, Switching, default_scenarios, scenario_names, switching_scenarios
 
