@@ -272,7 +272,14 @@ class Adapter:
 
         An adapter whose library cannot take a derivative inside its backward sets
         ``rule.nested_derivatives = False`` (before running the rule): the core's implicit
-        differentiation then takes its derivatives in the forward instead.
+        differentiation then takes its derivatives in the forward instead.  Likewise
+        ``rule.lazy_forward = True`` where the library runs ``fwd`` only under differentiation
+        and differentiates ``fwd`` itself for a higher order (jax), and
+        ``rule.derivatives_in_jvp = False`` where the library hides its differentiation from
+        a jvp rule (tensorflow): the core then refuses forward mode through rules that take
+        derivatives in their jvp.  ``rule.takes_derivatives`` (read only) is True for a rule
+        whose functions call the operators (``ad.custom_root``'s): a library that cannot build
+        that into a compiled loop's body runs such a loop in Python.
         ``rule.stops_gradient`` marks ``ad.stop_gradient``'s rule (the identity, with zero
         derivatives): an adapter may return the library's own operation for it instead
         (``lax.stop_gradient``, ``detach``), applied to each input.

@@ -24,6 +24,9 @@ class FakeRule:
         self.has_jvp = kind == "jvp"
         self.stops_gradient = False
         self.nested_derivatives = True
+        self.lazy_forward = False
+        self.derivatives_in_jvp = True
+        self.takes_derivatives = False  # only ad.custom_root's rules differentiate inside
         self.calls = {"forward": 0, "backward": 0, "jvp": 0}
 
     def value(self, x, y):
