@@ -65,7 +65,7 @@ from pytensor.graph.basic import Apply, Constant, NominalVariable, Variable
 from pytensor.graph.op import Op
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
-from pytensor.graph.traversal import graph_inputs
+from pytensor.graph.traversal import apply_ancestors, graph_inputs
 from pytensor.link.basic import PerformLinker
 from pytensor.link.vm import VMLinker
 from pytensor.scan.op import Scan
@@ -77,6 +77,7 @@ from pytensor.tensor.variable import TensorConstant, TensorVariable
 
 from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import check_scalar
+from abstractdiff._custom import mode_refusal
 from abstractdiff._errors import (
     ArgumentTypeError,
     CompositionError,
@@ -199,7 +200,7 @@ def _runnable(mode: str | None) -> Any:
         rewrites = [(in2out(_split_wide_elemwise), 49.2)]
         if isinstance(linker, VMLinker):
             rewrites.append((in2out(_scans_in(cell)), 61))
-        runnable = resolved.register(*rewrites)
+        runnable = resolved.register(*rewrites).excluding("local_greedy_distributor")
         cell.append(runnable)
         entry = _RUNNABLE[id(resolved)] = (resolved, runnable)
     return entry[1]
@@ -253,11 +254,25 @@ def _pushforward(y: TensorVariable, wrt: list, tangents: list) -> TensorVariable
     and loses terms with it: through ``solve_triangular`` the matrix's tangent is dropped, a
     silently wrong derivative.  A root variable as the seed keeps every term; it is replaced
     by zeros once the graph is built (the result does not depend on its value)."""
+    _refuse_forward_through_solvers(y)
     u = y.type()
     grads = pullback(y, wrt, u, disconnected_inputs="ignore", return_disconnected="zero")
     inner = pt.add(*[pt.sum(g * t) for g, t in zip(grads, tangents)])
     dy = pytensor.grad(inner, u, disconnected_inputs="ignore", return_disconnected="zero")
     return graph_replace(dy, {u: pt.zeros_like(y)}, strict=False)
+
+
+def _refuse_forward_through_solvers(y: TensorVariable) -> None:
+    """Forward mode by two pullbacks differentiates a rule's backward in its cotangent, at zero:
+    a rule that solves a linear system in its backward (``ad.custom_root``'s BiCGSTAB) is not
+    linear in the cotangent as computed, and that derivative is silently 0.  Refused instead
+    (the core's Jacobian then takes reverse mode)."""
+    for node in apply_ancestors([y]):
+        if isinstance(node.op, _RuleOp) and node.op.rule.takes_derivatives:
+            raise mode_refusal("forward", (
+                f"{node.op.rule.name}: the pytensor backend builds forward mode by transposing the reverse "
+                f"rule, which an implicit solver's (ad.custom_root) is not linear in as computed: use reverse "
+                f"mode (gradient, pullback, hessian, a reverse Jacobian), or another backend"))
 
 
 def _check_scalar(y: TensorVariable, operator: str) -> None:
@@ -455,7 +470,7 @@ class PyTensorAdapter(Adapter):
             own = set(map(id, inner))
             free = [v for v in graph_inputs(outputs)
                     if id(v) not in own and not isinstance(v, (Constant, SharedVariable))]
-            return tuple(_RuleOp(rule, inner, outputs, free)(*inputs, *free, return_list=True))
+            return tuple(_RuleOp(rule, inner, outputs, free, self.mode)(*inputs, *free, return_list=True))
 
         return h
 
@@ -854,6 +869,25 @@ def _on_plain(build: Callable[..., list], *groups: list) -> list:
     return graph_replace(out, {stand: v for v, stand in stands.values()}, strict=False)
 
 
+def _at(rule: Any, args: list) -> Any:
+    """``rule`` as called with ``args``, the inputs of the node whose derivative is being built.
+
+    A rule keeps the arguments of the call that made it, and the core fills a cotangent its
+    ``bwd`` leaves as None with zeros shaped like that argument.  A node's inputs are not
+    always those: ``graph_replace`` (a nested operator's placeholders replaced by the outer
+    graph's values, or a transposition's stand-ins) clones the node with new inputs and the
+    same Op, and zeros made from the call's arguments would bring the replaced placeholders
+    back into the graph (a MissingInputError when it is compiled)."""
+    leaves = list(rule._leaves)
+    if all(leaves[i] is a for i, a in zip(rule._index, args)):
+        return rule
+    for i, a in zip(rule._index, args):
+        leaves[i] = a
+    bound = copy.copy(rule)
+    bound._leaves = leaves
+    return bound
+
+
 class _RuleOp(OpFromGraph):
     """``rule.value`` as an inlined graph (merged with the residuals' recomputation when
     compiled) whose pullback is ``rule.backward`` (or the transposed ``rule.jvp``) and whose
@@ -866,9 +900,13 @@ class _RuleOp(OpFromGraph):
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    def __init__(self, rule: Any, inputs: list, outputs: list, free: list):
+    def __init__(self, rule: Any, inputs: list, outputs: list, free: list, mode: str | None):
         self.rule, self.n = rule, len(inputs)
-        super().__init__(inputs + free, outputs, inline=True)
+        # A Blockwise of this Op (a vectorised Jacobian or Hessian) is not inlined: it compiles
+        # the inner graph, in the backend's mode (else PyTensor's default, Numba: minutes for
+        # a Hessian through ad.custom_root), and with arguments the value may ignore (the rule
+        # defines their derivative: custom_root's ``attached(x, theta)`` is x)
+        super().__init__(inputs + free, outputs, inline=True, on_unused_input="ignore", mode=_runnable(mode))
 
     def connection_pattern(self, node: Any) -> list:
         # every output depends on every input (shared variables the value reads included): the
@@ -884,7 +922,7 @@ class _RuleOp(OpFromGraph):
         return grads + undefined
 
     def _rule_pullback(self, args: list, outputs: list, cotangents: list) -> list:
-        rule = self.rule
+        rule = _at(self.rule, args)
         cts = [c if _connected(c) else pt.zeros_like(o) for c, o in zip(cotangents, outputs)]
         if rule.has_vjp:
             grads = rule.backward(rule.forward(*args)[1], tuple(cts))
@@ -901,7 +939,7 @@ class _RuleOp(OpFromGraph):
         return _on_plain(self._rule_pushforward, args, outputs, ts)
 
     def _rule_pushforward(self, args: list, outputs: list, tangents: list) -> list:
-        rule = self.rule
+        rule = _at(self.rule, args)
         if rule.has_jvp:
             out = rule.jvp(tuple(args), tuple(tangents))[1]
         else:  # the pullback's transpose: two applications of the vjp rule
