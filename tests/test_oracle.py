@@ -35,7 +35,7 @@ FAILURES = Path(__file__).with_name("oracle_failures.json")
 #: Drawn cases per backend in `make test`, sized by their cost on the 2-core machine (busy):
 #: about 0.5 s a case on paddle and autograd, 1-1.5 s on torch, jax and MLX, 1-2 s on
 #: TensorFlow, 5-10 s on PyTensor, which compiles each graph.  Any other exact backend: 10.
-EXAMPLES = {"autograd": 20, "torch": 15, "paddle": 15, "jax": 12, "mlx": 15, "tensorflow": 5, "pytensor": 3}
+EXAMPLES = {"autograd": 20, "torch": 15, "paddle": 15, "jax": 4, "mlx": 15, "tensorflow": 5, "pytensor": 3}
 #: A case still running after this many seconds is stopped and fails as slow: every case
 #: takes seconds, so one that takes this long is a hang or a pathological route (and would
 #: take the suite past its budget).  The long hunt records slow cases without failing.
