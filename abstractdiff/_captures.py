@@ -19,9 +19,11 @@ What is compared:
 * any other object (a function of a library, a model) by identity; such an
   object is also returned in ``alive``, held weakly by the plan, so that a new object
   that reuses a dead one's ``id`` cannot find its plan;
-* functions of ``f``'s own module that ``f`` calls through a global or a closure are
-  followed (to a small depth), so a helper reading a global is covered as well; a
-  library's functions are compared by identity only;
+* the user's functions that ``f`` calls through a global or a closure are followed, at any
+  depth and in any of the user's modules (``f``'s own, a sibling module, a package checked
+  out or installed editable: any module whose file is outside the standard library and
+  site-packages), so a helper reading a global is covered as well; a library's functions
+  (installed packages) are compared by identity only;
 * **the functions a rule calls**: an object that runs user functions on the user's
   behalf (``ad.custom_vjp``/``ad.custom_jvp`` functions call ``fun``, ``fwd``, ``bwd``,
   ``jvp``; ``ad.custom_root`` solvers their solver and optimality function) names them
@@ -34,8 +36,10 @@ What is compared:
   as the implicit solver's residual ``lambda z: optimality_fn(...)``) is transparent: the
   user functions in its closure are followed as above.
 
-Not seen: values reached through attributes (``self.scale``, ``config.lr``) or inside
-mutable containers (a dict's entries).  Pass
+Not seen: values reached through attributes of objects (``self.scale``, ``config.lr`` where
+``config`` is not a module) or inside mutable containers (a dict's entries); an attribute of
+one of the user's modules read as ``module.name`` (``helpers.scale(x)``, ``settings.SCALE``)
+is seen.  Pass
 such values to ``f`` as arguments: arguments are traced inputs, never frozen (a static
 argument that is an object is keyed by its state: :func:`abstractdiff._cache.static_key`).
 
@@ -60,7 +64,9 @@ from ._cache import array_fingerprint, native_array_key
 
 __all__ = ["CaptureGuard", "CaptureWatch", "capture_guard", "captures"]
 
-_MAX_DEPTH = 3
+#: How deep calls and values are followed (each function is walked once): a bound on
+#: pathological chains, not a policy (a helper's global read deeper is keyed by identity).
+_MAX_DEPTH = 64
 _SCALARS = (bool, int, str, bytes, complex, type(None))
 #: The protocol of an object that calls user functions on the user's behalf (a custom rule,
 #: an implicit solver): ``obj.__abstractdiff_captures__()`` returns them (see the module).
@@ -73,6 +79,48 @@ _ANY_MODULE = object()
 def _is_ours(module: str | None) -> bool:
     """Whether ``module`` is abstractdiff's own (its wrappers of user functions)."""
     return module is not None and (module == "abstractdiff" or module.startswith("abstractdiff."))
+
+
+_USER_MODULES: dict[str, bool] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """Where installed packages and the standard library live (their functions are not the
+    user's: compared by identity, not walked)."""
+    import os
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return tuple(sorted(r + os.sep for r in roots))
+
+
+def _is_user_module(name: str | None) -> bool:
+    """Whether module ``name`` is the user's code: ``__main__``, or a module whose file is not
+    under the standard library or site-packages (a script's sibling module, a package of the
+    user's checked out or installed editable, a notebook's cells).  abstractdiff's own modules
+    are not (see :func:`_is_ours`).  Computed once per module name."""
+    if name is None or _is_ours(name):
+        return False
+    known = _USER_MODULES.get(name)
+    if known is None:
+        import os
+        import sys
+
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if name == "__main__" or path is None:  # no file: a module made at run time, not the user's
+            known = name == "__main__"
+        else:
+            known = not os.path.realpath(path).startswith(_library_roots())
+        _USER_MODULES[name] = known
+    return known
+
+
+def _follows(helper_module: str | None, module: str | None) -> bool:
+    """Whether a function of ``helper_module`` called from one of ``module`` is walked."""
+    return helper_module == module or _is_user_module(helper_module)
 
 
 def _members(value: Any) -> tuple | None:
@@ -130,9 +178,9 @@ def _value_key(
     if (
         isinstance(value, (types.FunctionType, functools.partial))
         and depth < _MAX_DEPTH
-        # the user's own helpers; not a library's internals (unless reached through a rule or
-        # one of abstractdiff's wrappers: _ANY_MODULE)
-        and (module is _ANY_MODULE or getattr(value, "__module__", None) == module)
+        # the user's own helpers, in f's module or any other of the user's; not a library's
+        # internals (unless reached through a rule or one of abstractdiff's wrappers: _ANY_MODULE)
+        and (module is _ANY_MODULE or _follows(getattr(value, "__module__", None), module))
     ):
         return ("function", id(value), _function_key(value, alive, depth + 1, seen, guard))
     if isinstance(value, types.MethodType) and depth < _MAX_DEPTH and _members(value.__self__) is not None:
@@ -154,11 +202,35 @@ def _value_key(
 
 
 _NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+_ATTRIBUTES: dict[types.CodeType, tuple[tuple[str, str], ...]] = {}
 
 
 #: The instructions that read a global name (``co_names`` also holds attribute names:
 #: ``anp.sum`` reads the global ``anp`` only).
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
+def _code_attributes(code: types.CodeType) -> tuple[tuple[str, str], ...]:
+    """``(global, attribute)`` for each ``name.attribute`` a code object (and the code inside
+    it) reads of a global: ``helpers.scale(x)`` or ``config.SCALE`` of a module of the user's
+    is followed like a global of its own (computed once per code object)."""
+    found = _ATTRIBUTES.get(code)
+    if found is None:
+        import dis
+
+        pairs, previous = set(), None
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None:
+                pairs.add((previous, ins.argval))
+            previous = ins.argval if ins.opname in _GLOBAL_LOADS else None
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                pairs |= set(_code_attributes(const))
+        found = tuple(sorted(pairs))
+        if len(_ATTRIBUTES) > 4096:  # bounded, as _NAMES
+            _ATTRIBUTES.clear()
+        _ATTRIBUTES[code] = found
+    return found
 
 
 def _code_names(code: types.CodeType) -> tuple[str, ...]:
@@ -211,6 +283,14 @@ def _function_key(f: Any, alive: list[Any], depth: int, seen: set[int], guard: C
     if guard is not None:
         guard._add_function(f, depth == 0, names)
     out = [(name, _value_key(globals_[name], alive, depth, seen, module, guard)) for name in names if name in globals_]
+    for name, attribute in _code_attributes(f.__code__):
+        owner = globals_.get(name)
+        if type(owner) is types.ModuleType and _is_user_module(owner.__name__):
+            value = getattr(owner, attribute, _ABSENT)
+            if guard is not None:
+                guard._add_attribute(owner, attribute, value)
+            if value is not _ABSENT:
+                out.append(((name, attribute), _value_key(value, alive, depth, seen, owner.__name__, guard)))
     # what a wrapper of abstractdiff's closes over is the user's (a rule's functions)
     cell_module = _ANY_MODULE if _is_ours(module) else module
     for i, cell in enumerate(f.__closure__ or ()):
@@ -315,6 +395,12 @@ class CaptureGuard:
         else:
             self._rest.append(("helper", self._hold(f), f.__code__, get, reads, cell_ids))
 
+    def _add_attribute(self, module: types.ModuleType, attribute: str, value: Any) -> None:
+        # a user module's attribute read as ``module.attribute``: the object found there
+        if value is not _ABSENT:
+            self._hold(value)
+        self._rest.append(("attribute", self._hold(module), attribute, id(value)))
+
     def _add_array(self, value: np.ndarray, key: tuple) -> None:
         self._rest.append(("array", self._hold(value), key))
 
@@ -351,6 +437,10 @@ class CaptureGuard:
                     if helper.__code__ is not code or _cell_ids(helper) != cell_ids:
                         return False
                     if any(id(get(name, _ABSENT)) != ident for name, ident in reads):
+                        return False
+                elif kind == "attribute":
+                    module, attribute, ident = what
+                    if id(getattr(module(), attribute, _ABSENT)) != ident:
                         return False
                 elif kind == "array":
                     if array_fingerprint(what[0]()) != what[1]:
