@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _checkpoint_format as fmt
 from . import _pytree as pytree
 from . import optim
 from ._convert import to_numpy
@@ -38,8 +39,8 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 FORMAT = "abstractdiff-checkpoint"
 VERSION = 1
-META = "__abstractdiff__"
-SAFETENSORS = ".safetensors"
+META = fmt.META
+SAFETENSORS = fmt.SAFETENSORS
 
 
 def _is_safetensors(path: str) -> bool:
@@ -149,7 +150,7 @@ def _describe(leaf: _Leaf, index: int) -> dict[str, Any]:
             "repr": repr(v)}
 
 
-def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) -> None:
+def save_checkpoint(path: str | bytes | os.PathLike, state: optim.OptState, model: Any) -> None:
     """Write ``(state, model)`` to one file at ``path``, atomically.
 
     ``save_checkpoint(path, state, model) -> None``.  The file is first written to a
@@ -172,7 +173,7 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
         (array([1., 1., 1.]), 0)
     """
     leaves, _, _ = _leaves(state, model)
-    path = os.fspath(path)
+    path = _fspath(path)
     safetensors = _safetensors() if _is_safetensors(path) else None
     meta = {"format": FORMAT, "version": VERSION, "leaves": [_describe(leaf, i) for i, leaf in enumerate(leaves)]}
     arrays: dict[str, np.ndarray] = {}
@@ -188,8 +189,12 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
             if entry["dtype"] == "bfloat16" and a.dtype.name != "bfloat16":  # read out as float32: no ml_dtypes
                 raise CheckpointError(f"{entry['path']}: {entry['dtype']} arrays need ml_dtypes to be stored "
                                       f"(pip install ml_dtypes)")
+            # little-endian whatever the machine or the array: the bytes the checksum covers
+            a = fmt.little_endian(a)
             arrays[entry["key"]] = a
-    description = json.dumps(meta)
+            entry["sha256"] = fmt.digest(a)
+    description = json.dumps(meta).encode("utf-8")
+    description_digest = fmt.text_digest(description)
     directory = os.path.dirname(os.path.abspath(path))
     _remove_stale_temporaries(directory, os.path.basename(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
@@ -197,22 +202,35 @@ def save_checkpoint(path: str | os.PathLike, state: optim.OptState, model: Any) 
         # "xb": a fresh file, created with the user's umask (unlike mkstemp's 0600).
         with open(tmp, "xb") as f:
             if safetensors is None:
-                arrays[META] = np.frombuffer(description.encode("utf-8"), dtype=np.uint8)
+                arrays[META] = np.frombuffer(description, dtype=np.uint8)
+                arrays[fmt.META_DIGEST] = np.frombuffer(description_digest.encode("ascii"), dtype=np.uint8)
                 np.savez(f, allow_pickle=False, **arrays)
             else:
-                f.write(safetensors.numpy.save(arrays, metadata={META: description}))
+                f.write(safetensors.numpy.save(
+                    arrays, metadata={META: description.decode("utf-8"), fmt.META_DIGEST: description_digest}
+                ))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.errno is not None and tmp in (err.filename, err.filename2):
+            # the temporary file is an implementation detail: name the path the user gave
+            raise OSError(err.errno, f"cannot save the checkpoint ({err.strerror})", path) from err
         raise
 
 
-_ZIP_MAGIC = b"PK\x03\x04"
-_NPY_MAGIC = b"\x93NUMPY"
-_PICKLE_MAGIC = b"\x80"  # protocol 2 and newer
+def _fspath(path: Any) -> str:
+    """``path`` as a str: str, bytes (decoded as the file system does) or os.PathLike."""
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"the checkpoint path must be a str, bytes or os.PathLike (e.g. pathlib.Path), got "
+            f"{type(path).__name__}"
+        ) from None
+    return os.fsdecode(path)
 
 
 #: A temporary file of a save with no process id in its name (written by an older
@@ -262,91 +280,88 @@ def _process_running(pid: int) -> bool:
     return True
 
 
-def _read_file(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Metadata and every array of the file, read fully (so truncation shows up here).
-
-    Anything wrong with the file is a :class:`CheckpointError` naming the file: numpy and
-    zipfile raise many kinds of errors for damaged archives (ValueError, OSError,
-    NotImplementedError for an unknown compression method, AttributeError...).
-    """
-    with open(path, "rb") as f:  # FileNotFoundError and PermissionError reach the caller as they are
-        magic = f.read(len(_NPY_MAGIC))
-    if magic.startswith(_PICKLE_MAGIC):
-        raise CheckpointError(
-            f"{path}: a pickled file, not an abstractdiff checkpoint; pickled files are refused, by design "
-            f"(loading one can run arbitrary code)"
-        )
-    if magic.startswith(_NPY_MAGIC):
-        raise CheckpointError(f"{path}: a single .npy array, not an abstractdiff checkpoint (.npz written by "
-                              f"ad.save_checkpoint)")
-    if not magic.startswith(_ZIP_MAGIC):
-        # np.load would call anything without a numpy or zip signature "pickled data"
-        raise CheckpointError(
-            f"{path}: not an abstractdiff checkpoint: it is not a .npz (zip) archive"
-            + (" (it is empty)" if not magic else "")
-            + "; checkpoints are written by ad.save_checkpoint"
-        )
-    try:
-        loaded = np.load(path, allow_pickle=False)
-    except Exception as err:  # noqa: BLE001  every way a damaged archive fails to open
-        raise CheckpointError(
-            f"{path}: not a readable abstractdiff checkpoint ({type(err).__name__}: {err}); it may be "
-            f"truncated or corrupt (pickled content is refused, by design)"
-        ) from err
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise CheckpointError(f"{path}: a single .npy array, not an abstractdiff checkpoint (.npz written by "
-                              f"ad.save_checkpoint)")
-    with loaded:
-        try:
-            arrays = {name: loaded[name] for name in loaded.files}
-        except Exception as err:  # noqa: BLE001  every way a damaged member fails to read
-            raise CheckpointError(
-                f"{path}: an entry cannot be read ({type(err).__name__}: {err}); the file is truncated or "
-                f"corrupt, or holds pickled objects, which are refused"
-            ) from err
-    if not all(isinstance(a, np.ndarray) for a in arrays.values()):
-        raise CheckpointError(f"{path}: an entry is not an array; the file is corrupt")
-    raw = arrays.pop(META, None)
-    if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
-        raise CheckpointError(f"{path}: no abstractdiff metadata; this .npz was not written by ad.save_checkpoint")
-    return _parse_meta(path, raw.tobytes()), arrays
-
-
-def _read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Metadata and every array of a ``.safetensors`` file, read fully; any damage is a
-    :class:`CheckpointError` (safetensors checks the header and every tensor's offsets
-    against the file's size, so truncation shows up here)."""
-    with open(path, "rb"):  # FileNotFoundError and PermissionError reach the caller as they are
-        pass
-    safe_open = _safetensors().safe_open
-    try:
-        with safe_open(path, framework="np") as f:
-            header = f.metadata() or {}
-            arrays = {name: np.array(f.get_tensor(name)) for name in f.keys()}  # a copy: no mmap kept
-    except Exception as err:  # noqa: BLE001  every way a damaged file fails (SafetensorError, an unknown dtype...)
-        raise CheckpointError(
-            f"{path}: not a readable safetensors checkpoint ({type(err).__name__}: {err}); it may be truncated "
-            f"or corrupt"
-        ) from err
-    raw = header.get(META)
-    if not isinstance(raw, str):
-        raise CheckpointError(f"{path}: no abstractdiff metadata; this .safetensors file was not written by "
-                              f"ad.save_checkpoint")
-    return _parse_meta(path, raw.encode("utf-8")), arrays
-
-
-def _parse_meta(path: str, raw: bytes) -> dict[str, Any]:
+def _parse_meta(path: str, raw: bytes, stored_digest: bytes | None) -> dict[str, Any]:
+    """The description, checked: its checksum first (a damaged description is refused
+    before it is parsed), then its JSON, format, version and every entry's fields, so that
+    a damaged or crafted file fails here with a :class:`CheckpointError`, never later with
+    a ``TypeError`` or ``RecursionError``."""
+    if stored_digest is not None and stored_digest != fmt.text_digest(raw).encode("ascii"):
+        raise CheckpointError(f"{path}: the checkpoint metadata is corrupt (its SHA-256 checksum does not "
+                              f"match); the file was damaged after it was written")
     try:
         meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: the checkpoint metadata is corrupt ({err})") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: deeply nested JSON
+        raise CheckpointError(f"{path}: the checkpoint metadata is corrupt ({type(err).__name__}: "
+                              f"{str(err)[:200]})") from None
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("leaves"), list)):
         raise CheckpointError(f"{path}: the metadata does not describe an abstractdiff checkpoint")
     if meta.get("version") != VERSION:
         raise CheckpointError(
             f"{path}: checkpoint format version {meta.get('version')!r}; this abstractdiff reads version {VERSION}"
         )
+    if stored_digest is None:
+        raise CheckpointError(
+            f"{path}: this checkpoint has no checksums (it was written by an earlier abstractdiff), so damage to "
+            f"it could not be detected; it is refused. Load it with the version that wrote it and save it again"
+        )
+    keys: set[str] = set()
+    for i, entry in enumerate(meta["leaves"]):
+        if not _valid_entry(entry) or (entry["kind"] == "array" and entry["key"] in keys):
+            raise CheckpointError(f"{path}: entry {i} of the checkpoint metadata is malformed; the file is "
+                                  f"corrupt or was not written by ad.save_checkpoint")
+        if entry["kind"] == "array":
+            keys.add(entry["key"])
     return meta
+
+
+def _valid_entry(e: Any) -> bool:
+    if not (isinstance(e, dict) and isinstance(e.get("path"), str) and e.get("kind") in ("array", "value", "object")):
+        return False
+    if e["kind"] != "array":
+        return isinstance(e.get("type"), str)
+    shape = e.get("shape")
+    return (isinstance(e.get("key"), str) and e["key"] not in (fmt.META, fmt.META_DIGEST)
+            and isinstance(e.get("dtype"), str) and isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(e.get("sha256"), str) and len(e["sha256"]) == 64)
+
+
+def _open_reader(path: str, f: Any, limit: int, max_members: int) -> Any:
+    """The reader of ``path``'s format; every way a damaged file fails to open is a
+    :class:`CheckpointError` naming it (zipfile and safetensors raise many kinds)."""
+    safetensors = _safetensors() if _is_safetensors(path) else None
+    try:
+        if safetensors is None:
+            return fmt.NpzReader(path, f, limit, max_members)
+        return fmt.SafetensorsReader(path, f, limit, max_members, safetensors.safe_open)
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001  BadZipFile, SafetensorError, ValueError, NotImplementedError...
+        kind = "abstractdiff" if safetensors is None else "safetensors"
+        raise CheckpointError(
+            f"{path}: not a readable {kind} checkpoint ({type(err).__name__}: {str(err)[:200]}); it may be "
+            f"truncated or corrupt (pickled content is refused, by design)"
+        ) from err
+
+
+def _read_checked(path: str, reader: Any, member: Any, entry: dict[str, Any], where: str) -> np.ndarray:
+    """One tensor: its declared dtype and shape against the description before it is read
+    (so it allocates no more than ``like``'s leaf), its checksum after."""
+    if member.dtype != entry["dtype"] or member.shape != tuple(entry["shape"]):
+        raise CheckpointError(f"{path}: the array of {where} does not match its metadata; corrupt file")
+    try:
+        a = reader.read(member)
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001  a CRC error, an unknown dtype, a short read...
+        raise CheckpointError(f"{path}: the array of {where} cannot be read ({type(err).__name__}: "
+                              f"{str(err)[:200]}); the file is truncated or corrupt") from err
+    if a.dtype.name != entry["dtype"] or a.shape != tuple(entry["shape"]):
+        raise CheckpointError(f"{path}: the array of {where} does not match its metadata; corrupt file")
+    if fmt.digest(a) != entry["sha256"]:
+        raise CheckpointError(f"{path}: the array of {where} is corrupt (its SHA-256 checksum does not match); "
+                              f"the file was damaged after it was written")
+    return fmt.little_endian(a).astype(a.dtype.newbyteorder("="), copy=False)  # native order for every library
 
 
 def _to_like(a: np.ndarray, like: Any) -> Any:
@@ -372,19 +387,31 @@ def _mismatch(path: str, what: str) -> CheckpointError:
     )
 
 
-def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -> tuple[optim.OptState, Any]:
+def load_checkpoint(
+    path: str | bytes | os.PathLike, like: tuple[optim.OptState, Any], *, max_bytes: int | None = None
+) -> tuple[optim.OptState, Any]:
     """Read a checkpoint into the structure of ``like = (state, model)``.
 
-    ``load_checkpoint(path, like=(state, model)) -> (state, model)``.  Arrays come back
-    as the library and device of the corresponding leaf of ``like`` (numpy, torch, jax,
-    tensorflow); a model holding variables is assigned in place and returned, and the
-    returned state belongs to it (``optim.update`` accepts that model's variables).  The
-    whole file is checked first: structure, paths, shapes and dtypes must match ``like``
-    exactly, otherwise nothing is assigned.
+    ``load_checkpoint(path, like=(state, model), *, max_bytes=None) -> (state, model)``.
+    Arrays come back as the library and device of the corresponding leaf of ``like``
+    (numpy, torch, jax, tensorflow); a model holding variables is assigned in place and
+    returned, and the returned state belongs to it (``optim.update`` accepts that model's
+    variables).  The whole file is checked first, and nothing is assigned unless all of it
+    passes: the SHA-256 checksum of its description and of every tensor, and the structure,
+    paths, shapes and dtypes, which must match ``like`` exactly.
+
+    Sizes are bounded before anything is read: the sizes the file declares (zip and
+    ``.npy`` headers, the safetensors header) must agree with its description and with
+    ``like``, and together must not exceed ``max_bytes``.  The default, ``None``, is the
+    file's size on disk: ``save_checkpoint`` never compresses, so its files never hold
+    more; a compressed ``.npz`` (a decompression bomb, or a trusted file repacked with
+    ``np.savez_compressed``) is refused unless ``max_bytes`` is raised.
 
     Raises:
-        CheckpointError: the file is truncated, corrupt, pickled, not a checkpoint, or
-            does not match ``like``.
+        CheckpointError: the file is truncated, damaged (a checksum does not match),
+            pickled, not a checkpoint, not a regular file (a FIFO, device or directory),
+            larger than ``max_bytes``, written without checksums (by an earlier version:
+            load it with that version and save it again), or does not match ``like``.
         FileNotFoundError: no file at ``path``.
 
     Example:
@@ -402,55 +429,17 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
     """
     if not (isinstance(like, tuple) and len(like) == 2):
         raise ArgumentTypeError("load_checkpoint: like must be the pair (state, model) to restore into")
-    path = os.fspath(path)
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+        raise ArgumentTypeError(f"load_checkpoint: max_bytes must be a non-negative int or None, got {max_bytes!r}")
+    path = _fspath(path)
     leaves, treedef, implicit = _leaves(*like)
-    meta, arrays = _read_safetensors(path) if _is_safetensors(path) else _read_file(path)
-    entries = meta["leaves"]
-    if len(entries) != len(leaves):
-        have = {e.get("path") for e in entries if isinstance(e, dict)}
-        want = {leaf.path for leaf in leaves}
-        extra, missing = sorted(have - want)[:3], sorted(want - have)[:3]
-        raise _mismatch(
-            path, f"it holds {len(entries)} leaves, like has {len(leaves)}"
-            + (f"; only in the file: {extra}" if extra else "") + (f"; only in like: {missing}" if missing else "")
-        )
-    new_values: list[Any] = []
-    for entry, leaf in zip(entries, leaves):
-        if not isinstance(entry, dict) or entry.get("path") != leaf.path:
-            got = entry.get("path") if isinstance(entry, dict) else entry
-            raise _mismatch(path, f"the file has {got!r} where like has {leaf.where!r}")
-        expected = _describe(leaf, 0)
-        kind = entry.get("kind")
-        if kind != expected["kind"]:
-            raise _mismatch(path, f"{leaf.where} is a {kind} in the file but a {expected['kind']} in like")
-        if kind == "array":
-            a = arrays.get(entry.get("key"))
-            if a is None:
-                raise CheckpointError(f"{path}: the array of {leaf.where} is missing; the file is corrupt")
-            if a.dtype.name != entry.get("dtype") or list(a.shape) != entry.get("shape"):
-                raise CheckpointError(f"{path}: the array of {leaf.where} does not match its metadata; corrupt file")
-            if entry["dtype"] != expected["dtype"] or entry["shape"] != expected["shape"]:
-                raise _mismatch(
-                    path, f"{leaf.where} is {entry['dtype']}{tuple(entry['shape'])} in the file but "
-                    f"{expected['dtype']}{tuple(expected['shape'])} in like"
-                )
-            new_values.append(a)
-        else:
-            if entry.get("type") != expected["type"]:
-                raise _mismatch(
-                    path, f"{leaf.where} is a {entry.get('type')} in the file but a {expected['type']} in like"
-                )
-            # Python scalars (the step counter) come from the file; objects (the rule) from like.
-            if kind == "value":
-                value = entry.get("value")
-                if type(value) is not type(leaf.value):  # json: bool is not int, int is not float
-                    raise CheckpointError(
-                        f"{path}: the value of {leaf.where} is {value!r}, not a {expected['type']}; the "
-                        f"metadata is corrupt"
-                    )
-                new_values.append(value)
-            else:
-                new_values.append(leaf.value)
+    with fmt.open_regular(path) as f:
+        limit = os.fstat(f.fileno()).st_size if max_bytes is None else max_bytes
+        reader = _open_reader(path, f, limit, max_members=len(leaves) + 2)
+        try:
+            new_values = _read_all(path, reader, leaves)
+        finally:
+            reader.close()
     # Everything matched: convert all, then assign, so a failure cannot half-load.
     converted = [_to_like(v, leaf.value) if isinstance(v, np.ndarray) else v for v, leaf in zip(new_values, leaves)]
     n_state = treedef.num_leaves
@@ -464,3 +453,61 @@ def load_checkpoint(path: str | os.PathLike, like: tuple[optim.OptState, Any]) -
     else:
         model = pytree.tree_unflatten(pytree.tree_structure(model), converted[n_state:])
     return state, model
+
+
+def _read_all(path: str, reader: Any, leaves: list[_Leaf]) -> list[Any]:
+    """Every leaf's new value: the description checked (checksum, then against ``like``)
+    before any tensor is read, then each tensor checked (declared size, then checksum)."""
+    raw, stored_digest = reader.description()
+    if raw is None:
+        kind = ".safetensors file" if _is_safetensors(path) else ".npz"
+        raise CheckpointError(f"{path}: no abstractdiff metadata; this {kind} was not written by ad.save_checkpoint")
+    meta = _parse_meta(path, raw, stored_digest)
+    entries = meta["leaves"]
+    if len(entries) != len(leaves):
+        have = {e["path"] for e in entries}
+        want = {leaf.path for leaf in leaves}
+        extra, missing = sorted(have - want)[:3], sorted(want - have)[:3]
+        raise _mismatch(
+            path, f"it holds {len(entries)} leaves, like has {len(leaves)}"
+            + (f"; only in the file: {extra}" if extra else "") + (f"; only in like: {missing}" if missing else "")
+        )
+    for entry, leaf in zip(entries, leaves):  # first the whole description against like, reading nothing
+        if entry["path"] != leaf.path:
+            raise _mismatch(path, f"the file has {entry['path']!r} where like has {leaf.where!r}")
+        expected = _describe(leaf, 0)
+        kind = entry["kind"]
+        if kind != expected["kind"]:
+            raise _mismatch(path, f"{leaf.where} is a {kind} in the file but a {expected['kind']} in like")
+        if kind == "array":
+            if entry["dtype"] != expected["dtype"] or entry["shape"] != expected["shape"]:
+                raise _mismatch(
+                    path, f"{leaf.where} is {entry['dtype']}{tuple(entry['shape'])} in the file but "
+                    f"{expected['dtype']}{tuple(expected['shape'])} in like"
+                )
+        elif entry["type"] != expected["type"]:
+            raise _mismatch(path, f"{leaf.where} is a {entry['type']} in the file but a {expected['type']} in like")
+    tensors = reader.tensors()
+    described = {e["key"]: leaf for e, leaf in zip(entries, leaves) if e["kind"] == "array"}
+    for entry, leaf in zip(entries, leaves):
+        if entry["kind"] == "array" and entry["key"] not in tensors:
+            raise CheckpointError(f"{path}: the array of {leaf.where} is missing; the file is corrupt")
+    for key in tensors:
+        if key not in described:
+            raise CheckpointError(f"{path}: it holds a tensor {key!r} that its description does not list; the file "
+                                  f"is corrupt or was not written by ad.save_checkpoint")
+    new_values: list[Any] = []
+    for entry, leaf in zip(entries, leaves):
+        if entry["kind"] == "array":
+            new_values.append(_read_checked(path, reader, tensors[entry["key"]], entry, leaf.where))
+        elif entry["kind"] == "value":
+            # Python scalars (the step counter) come from the file; objects (the rule) from like.
+            value = entry.get("value")
+            if type(value) is not type(leaf.value):  # json: bool is not int, int is not float
+                raise CheckpointError(
+                    f"{path}: the value of {leaf.where} is {value!r}, not a {entry['type']}; the metadata is corrupt"
+                )
+            new_values.append(value)
+        else:
+            new_values.append(leaf.value)
+    return new_values

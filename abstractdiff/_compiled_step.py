@@ -52,6 +52,7 @@ import optree
 
 from . import _pytree as pytree
 from . import optim
+from ._atomic import HeldInterrupts
 from ._cache import LRU, WeakLRU, value_key
 from ._captures import CaptureWatch
 from ._implicit import model_variables
@@ -185,7 +186,7 @@ class _Plan:
 
     __slots__ = ("rule", "frozen", "variables", "whole_def", "dicts", "types", "static_at", "static_values",
                  "dtype_at", "dtypes", "params", "m_def", "s_def", "m_kinds", "s_kinds", "n_m", "n_s", "m_at", "s_at",
-                 "b_at", "scalar_at", "all_dynamic", "slots", "dtype", "key", "step", "call", "last")
+                 "b_at", "scalar_at", "all_dynamic", "slots", "dtype", "key", "step", "call", "last", "others")
 
     def leaves_of(self, whole: tuple) -> list | None:
         """The leaves of ``whole`` where it has this plan's structure exactly, else None.  The
@@ -346,13 +347,15 @@ def _compiler(b: Any) -> Callable[..., Any] | None:
 def compiled_train_step(
     b: Any, loss_fn: Callable[..., Any], model: Any, batch: tuple, state: optim.OptState,
     non_finite: Callable[[], Exception], bound: Callable[..., Any] | None = None,
+    commit: Callable[[optim.OptState, Any], None] | None = None,
 ) -> Any:
     """The step ``ad.train_step`` takes, as one compiled call: ``(state, model, loss)``, or
     None where this backend or this step's form does not compile (the caller then takes
     the op-by-op step).  ``non_finite()`` is the
     error raised when the loss, a gradient or a new value is not finite (nothing is returned
     or assigned).  Implicit mode: ``b`` is the ``ad.Implicit`` backend, ``bound`` the loss
-    bound to the model."""
+    bound to the model, ``commit(state, model)`` (optional) receives the new pair before
+    an interrupt held during the step is delivered; a step that raises assigns nothing."""
     implicit = bound is not None
     lib = b.inner if implicit else b
     compiler = _compiler(lib)
@@ -403,9 +406,30 @@ def compiled_train_step(
     if plan.slots:
         hyper = _scheduled_values(state.rule.at(state.step), plan.slots)  # checked, as op by op
         numbers.append(np.asarray(hyper, dtype=plan.dtype))
+    args = ([leaves[i] for i in plan.m_at], [leaves[i] for i in plan.s_at], [leaves[i] for i in plan.b_at], *numbers)
+    if not implicit:  # nothing is assigned: an exception anywhere leaves the caller's pair as it was
+        return _finish(plan, lib, state, model, leaves, ints, non_finite, args, None, None)
+    # implicit mode: the call assigns the parameters and whatever the forward pass writes
+    # (Keras's non-trainable variables).  SIGINT is held off from the call to the hand-over
+    # (the library's call cannot be interrupted anyway: Python runs signal handlers between
+    # its bytecodes); the call also returns every variable's value from before it, so a step
+    # that fails after it (NonFiniteError: the buffers; an interrupt with nobody taking the
+    # new state: everything) is undone without copying anything on the steps that succeed
+    with HeldInterrupts() as held:
+        done = _finish(plan, lib, state, model, leaves, ints, non_finite, args, held, commit)
+    held.deliver()
+    return done
+
+
+def _finish(plan: _Plan, lib: Any, state: optim.OptState, model: Any, leaves: list, ints: list,
+            non_finite: Callable[[], Exception], args: tuple, held: HeldInterrupts | None,
+            commit: Callable[[optim.OptState, Any], None] | None) -> Any:
+    """The compiled call and what follows it: ``(state, model, loss)``, or None where the
+    form does not compile after all (op by op from now on).  ``held``: implicit mode, run
+    with interrupts held off (see :func:`compiled_train_step`)."""
+    implicit = held is not None
     try:
-        loss, on_device, new_m, new_s = plan.call(
-            [leaves[i] for i in plan.m_at], [leaves[i] for i in plan.s_at], [leaves[i] for i in plan.b_at], *numbers)
+        loss, on_device, new_m, new_s, *olds = plan.call(*args)
     except Exception as err:  # noqa: BLE001 - a form the library cannot trace: op by op from now on
         failed = plan.step._replace(run=_FAILED)
         STEPS.put(plan.key, failed)
@@ -415,9 +439,10 @@ def compiled_train_step(
             f"ad.train_step runs this step op by op on {lib!r}: compiling the whole step failed "
             f"({type(err).__name__}: {first}). The values are the same, the step is slower; a loss or "
             f"rule that needs a concrete number (float() or an `if` on an array) cannot be compiled",
-            CompileFallbackWarning, stacklevel=3,
+            CompileFallbackWarning, stacklevel=4,
         )
         return None
+    olds = olds[0] if olds else []
     # what needs no number from the device is done while the library computes (a thread
     # that waits from the moment it dispatched is woken later than one that was busy, and
     # the Python between this step's result and the next dispatch is what a small step costs):
@@ -440,12 +465,28 @@ def compiled_train_step(
     new_state = state._replace(step=state.step + 1, tree=new_tree(counts), implicit=implicit)
     report = lib.to_numpy(on_device).tolist()  # the one synchronisation
     if not report[0] == 0:
+        if implicit:  # the parameters were not assigned (see _body), the other variables were
+            _write_back(plan.others, olds[len(plan.params):])
         raise non_finite()
     if report[1:] != counts:  # exact: integers below _EXACT_BELOW
         counts = [int(c) for c in report[1:]]
         new_state = new_state._replace(tree=new_tree(counts))
     plan.last = (counts, on_device) if ints else None
+    if implicit:
+        try:
+            if commit is not None:
+                commit(new_state, model)
+            elif held.pending:  # interrupted, and nobody holds the new state: nothing applied
+                _write_back([*plan.params, *plan.others], olds)
+        except BaseException:
+            _write_back([*plan.params, *plan.others], olds)
+            raise
     return new_state, new_model, loss
+
+
+def _write_back(variables: list, values: list) -> None:
+    for v, value in zip(variables, values):
+        optim.write(v, value)
 
 
 def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bound: Any, model: Any,
@@ -466,12 +507,16 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         if not params or not all(lib.is_variable(v) for v in params) or len(params) != len(state.tree):
             return None  # (a wrong number of variables: the op-by-op step says what is wrong)
         _check_set_up_for(state, params)
+        from ._train import _untrained_state
+
+        others = _untrained_state(model, params)  # what the forward pass may write (kept to undo a failed step)
         m_kinds: list[int] | None = []
         floats = [optim.read(v) for v in params]
     else:
         s_out = _state_after(model, state.tree)
         if s_out != s_def:
             return None
+        others = []
         m_kinds = _classify(m_leaves, lib.is_native, scalars=False)
         floats = [a for a, k in zip(m_leaves, m_kinds or ()) if k == _DYNAMIC]
     s_kinds = _classify(s_leaves, lib.is_native, scalars=True)
@@ -504,7 +549,7 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     if step is None:
         shell = state._replace(tree=None, implicit=False)  # the rule, frozen paths and variables, not the arrays
         body = _body(b, loss_fn, bound, model if implicit else None, m_leaves, m_def, m_kinds, s_leaves, s_def,
-                     s_kinds, b_leaves, b_def, b_kinds, shell, rule_at, slots, dtype)
+                     s_kinds, b_leaves, b_def, b_kinds, shell, rule_at, slots, dtype, others)
         run = compiler(body, implicit)
         if run is None:
             step = _DECLINED
@@ -531,6 +576,7 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     # structures are equal, so the leaves' order is one)
     plan.s_def = s_def if implicit else s_out
     plan.params, plan.m_def, plan.m_kinds, plan.s_kinds = params, m_def, m_kinds, s_kinds
+    plan.others = others
     plan.n_m, plan.n_s, plan.slots, plan.dtype = n_m, n_s, slots, dtype
     plan.m_at, plan.s_at, plan.b_at = (
         [start + i for i, k in enumerate(part) if k == _DYNAMIC]
@@ -559,19 +605,23 @@ def _state_after(model: Any, tree: Any) -> Any:
 
 def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves: list, m_def: Any, m_kinds: list,
           s_leaves: list, s_def: Any, s_kinds: list, b_leaves: list, b_def: Any, b_kinds: list,
-          shell: optim.OptState, rule_at: Rule, slots: list, dtype: str) -> Callable[..., tuple]:
+          shell: optim.OptState, rule_at: Rule, slots: list, dtype: str, others: list) -> Callable[..., tuple]:
     """The step as a function of its traced inputs: ``(model arrays, state arrays, batch
     arrays, *numbers) -> (loss, report, new model arrays, new state arrays)``; ``report`` is
     the finite total followed by the new Python-int state leaves, in one array of the
     step's dtype.  ``numbers``: where the state has Python-int leaves, an array laid out as
     ``report`` (its first element unread: the last step's report goes in as it is), then,
-    where the rule is scheduled, the scheduled values."""
+    where the rule is scheduled, the scheduled values.  Implicit mode appends a fifth output:
+    the values of the parameters and of ``others`` (the variables the forward pass may
+    write) from before the step, read before the forward pass, to undo a step that fails
+    after the call (the library keeps a value read before an assignment as it was)."""
     import autoray as ar
 
     loss_ref = _weak_callable(loss_fn)
     bound_ref = _weak(bound) if bound is not None else None
     model_ref = _weak(model) if model is not None else None
     n_hyper, n_ints = len(slots), s_kinds.count(_SCALAR)
+    other_refs = [_weak(v) for v in others]
 
     def body(m_arrays: list, s_arrays: list, b_arrays: list, *numbers: Any) -> tuple:
         ints = [numbers[0][i + 1] for i in range(n_ints)]
@@ -583,6 +633,7 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
             ps = optim.params_of(model_ref())
             params = list(ps)
             olds = [optim.read(v) for v in params]
+            kept = [optim.read(v()) for v in other_refs]  # before the forward pass writes them
             loss, grads = b.value_and_gradient(bound_ref(), ps, *batch)
             grad_leaves = [grads[p] for p in params]
             # the variables' values as an explicit list model: the same rule arithmetic, and
@@ -604,7 +655,7 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
             for v, new, was in zip(params, news, olds):
                 if new is not was:
                     optim.write(v, ar.do("where", finite, new, was))  # nothing applied unless finite
-            return loss, ar.do("stack", report), [], new_s_arrays
+            return loss, ar.do("stack", report), [], new_s_arrays, [*olds, *kept]
         return loss, ar.do("stack", report), [v for v, k in zip(news, m_kinds) if k == _DYNAMIC], new_s_arrays
 
     return body

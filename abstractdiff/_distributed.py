@@ -217,7 +217,18 @@ class DataParallel:
         world_size: int | None = None,
         init_method: str | None = None,
         uneven: str = "weight",
+        verify_every: int = 1,
     ):
+        if not isinstance(verify_every, int) or isinstance(verify_every, bool):
+            raise ArgumentTypeError(
+                f"DataParallel: verify_every must be an int (steps between model checks; 0 turns the "
+                f"checks off), got {type(verify_every).__name__}"
+            )
+        if verify_every < 0:
+            raise InvalidArgumentError(
+                f"DataParallel: verify_every must be >= 0 (1 checks the model every step, N every N steps, "
+                f"0 never), got {verify_every}"
+            )
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
                 and math.isfinite(timeout)):
             raise InvalidArgumentError(f"DataParallel: timeout must be a number of seconds > 0, got {timeout!r}")
@@ -225,6 +236,7 @@ class DataParallel:
             raise InvalidArgumentError(f"DataParallel: uneven must be one of {_UNEVEN}, got {uneven!r}")
         rank, world_size, init_method = _resolve(rank, world_size, init_method)
         self.uneven = uneven
+        self.verify_every = verify_every
         self._engine = _load_engine()(
             backend=backend, timeout=float(timeout), rank=rank, world_size=world_size, init_method=init_method
         )
@@ -300,6 +312,73 @@ class DataParallel:
                     f"has {other}; every process must run the same script on the same model and batch sizes"
                 )
 
+    def verify_step(self, step: int, n_rows: int, model: Any) -> None:
+        """Raise :class:`DistributedError` on every process unless all are about to take the same
+        ``step`` on a batch of the same ``n_rows`` rows with the same model.
+
+        ``train_step`` calls it on every step, after sharding the batch: one ``all_gather``
+        of 7 integers per process (the step, the rows, a hash of the model's structure and,
+        every ``verify_every`` steps, an exact fingerprint of the model's values: see
+        :meth:`~abstractdiff.adapters.torch_distributed.TorchProcessGroup.fingerprint`).
+        ``model`` is the pytree of arrays (explicit mode) or the model holding variables
+        (implicit mode: its parameters, buffers and frozen parameters). On step 1
+        (``state.step == 0``) the values are not compared: rank 0's are broadcast then.
+        With ``verify_every=0`` it does nothing.
+        """
+        if not self.verify_every:
+            return
+        names, values = _model_values(model)
+        structure = _hash63(repr(describe(values)))
+        # the values on every verify_every-th step; never before the first, which broadcasts rank 0's
+        compare = step > 1 and step % self.verify_every == 0
+        arrays = [a for a in values if is_array(a)]
+        digest = per_leaf = None
+        if compare:
+            digest, per_leaf = self._engine.fingerprint(self._to_engine(arrays))
+        everyone = self._engine.all_gather_ints([int(step), int(n_rows), structure, int(compare)], digest)
+        if all(row == everyone[0] for row in everyone):
+            return
+        # every process has the same rows, so all take this branch and the collectives below pair up
+        leaf_names = [n for n, a in zip(names, values) if is_array(a)]
+        self._out_of_step(step, everyone, leaf_names, per_leaf)
+
+    def _out_of_step(self, step: int, everyone: list[list[int]], names: list[str], per_leaf: Any) -> None:
+        groups: dict[tuple, list[int]] = {}
+        for rank, row in enumerate(everyone):
+            groups.setdefault(tuple(row), []).append(rank)
+        # the majority is taken as right (rank 0's group on a tie), the others are named
+        reference = max(groups.values(), key=lambda ranks: (len(ranks), -ranks[0]))
+        ref = everyone[reference[0]]
+        ref_name = f"rank {reference[0]}" if len(reference) == 1 else f"ranks {_ranks(reference)}"
+        same_values = [r for r in range(len(everyone)) if everyone[r][2:] == ref[2:]]
+        leaves: list[Any] = []
+        if ref[3] and len(same_values) < len(everyone) and all(row[:4] == ref[:4] for row in everyone):
+            # same step and structure, different values: which leaves (a second, rare collective)
+            leaves = self._engine.all_gather_object(self._engine.to_numpy(per_leaf).tolist())
+        lines = []
+        for rank, row in enumerate(everyone):
+            if rank in reference:
+                continue
+            if row[0] != ref[0]:
+                lines.append(f"rank {rank} is at step {row[0]}, {ref_name} at step {ref[0]}")
+            if row[1] != ref[1]:
+                lines.append(f"rank {rank} was given a batch of {row[1]} rows, {ref_name} one of {ref[1]}")
+            if row[0] == ref[0] and row[2] != ref[2]:
+                lines.append(f"rank {rank}'s model has another structure (tree, shapes or dtypes) than {ref_name}'s")
+            elif row[0] == ref[0] and row[3:] != ref[3:]:
+                where = ""
+                if leaves:
+                    differ = [names[i] for i, (a, b) in enumerate(zip(leaves[rank], leaves[reference[0]])) if a != b]
+                    shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+                    where = f" ({len(differ)} of {len(names)} arrays differ: {shown})"
+                lines.append(f"rank {rank}'s model values differ from {ref_name}'s{where}")
+        raise DistributedError(
+            f"DataParallel: the processes are out of step before step {step}: " + "; ".join(lines)
+            + ". Every process must train the same model from the same point: resume every rank from the "
+            "same checkpoint (the file dp.save_checkpoint wrote, loaded with ad.load_checkpoint on every "
+            "process, state included), and give every process the same batches in the same order"
+        )
+
     def barrier(self) -> None:
         """Wait until every process gets here (raises :class:`DistributedError` after ``timeout``)."""
         self._engine.barrier()
@@ -348,3 +427,41 @@ def describe(tree: Any) -> list[Any]:
     leaves, treedef = pytree.tree_flatten(tree)
     return [str(treedef), [(tuple(int(d) for d in a.shape), _dtype_name(a)) if is_array(a) else repr(a)
                            for a in leaves]]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _hash63(text: str) -> int:
+    """A hash of ``text`` that is the same in every process (``hash()`` of a str is salted per
+    process), as an int64."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def model_variables(model: Any) -> list[tuple[str, Any]]:
+    """``(name, variable)`` of every variable of a model holding variables: the trained
+    parameters (``optim.params_of(model)``'s order) first, then the ones the optimiser
+    does not train, buffers (BatchNorm's running statistics) and frozen parameters, as
+    its library's ``model_state`` lists them."""
+    from ._checkpoint import _model_variables
+
+    params = list(optim.params_of(model))
+    found = _model_variables(model)
+    named = {id(v): name for name, v in found}
+    trained = {id(p) for p in params}
+    return [(named.get(id(p)) or f"parameter {i}", p) for i, p in enumerate(params)] + [
+        (name or f"variable {i}", v) for i, (name, v) in enumerate(found) if id(v) not in trained
+    ]
+
+
+def _model_values(model: Any) -> tuple[list[str], list[Any]]:
+    """Names and current values of a model's leaves: its variables' values in implicit mode,
+    the leaves of the pytree (arrays and others) in explicit mode."""
+    if optim.holds_variables(model):
+        found = model_variables(model)
+        return [name for name, _ in found], [optim.read(v) for _, v in found]
+    paths, leaves, _ = pytree.tree_flatten_with_path(model)
+    return ["".join(f"[{k!r}]" for k in path) or "the model" for path in paths], leaves

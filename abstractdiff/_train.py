@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _pytree as pytree
 from . import optim
+from ._atomic import HeldInterrupts, restore, snapshot
 from ._backend import Backend
 from ._cache import WeakLRU
 from ._compiled_step import compiled_train_step
@@ -328,6 +329,18 @@ def train_step(
         >>> float(value), np.round(model["w"], 6)
         (2.0, array([0.5, 0.5]))
     """
+    return _train_step(loss_fn, model, batch, state, backend, distributed, None)
+
+
+#: ``commit(state, model)``: the new pair handed over inside the step's assignment block
+_Commit = Callable[[optim.OptState, Any], None]
+
+
+def _train_step(loss_fn: Callable[..., Any], model: Any, batch: Any, state: optim.OptState, backend: Backend | str,
+                distributed: DataParallel | None, commit: _Commit | None) -> tuple[optim.OptState, Any, Any]:
+    """:func:`train_step`; in implicit mode, ``commit(state, model)`` receives the new pair in
+    the block that assigns it, interrupts held off (``ad.train``'s loop: a ``KeyboardInterrupt``
+    right after the step then finds the loop holding the pair the model matches)."""
     b = backend if isinstance(backend, Backend) else _get_backend(backend)
     if not isinstance(state, optim.OptState):
         raise ArgumentTypeError(
@@ -351,23 +364,11 @@ def train_step(
         holding = "the variables hold the values"
         if distributed is None:  # the whole step as one compiled call, where the library compiles it
             done = compiled_train_step(b, loss_fn, model, batch, state,
-                                       lambda: _non_finite(step, state, model, holding), _BOUND.get(loss_fn, model))
+                                       lambda: _non_finite(step, state, model, holding), _BOUND.get(loss_fn, model),
+                                       commit)
             if done is not None:
                 return done
-        params = optim.params_of(model)
-        loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
-        if distributed is not None:
-            from ._implicit import Grads
-
-            loss, values = distributed.average(loss, [grads[p] for p in params], share)
-            grads = Grads(params, values)
-        check = _finite_check(step, state, model, loss, [grads[p] for p in params], holding)
-        state, model = optim._apply(state, model, grads, check)
-        if distributed is not None:
-            # each process's forward pass updated its own buffers (BatchNorm's running
-            # statistics) from its own rows: rank 0's win, as in torch's DDP
-            _broadcast_variables(distributed, _untrained_state(model, params))
-        return state, model, loss
+        return _implicit_step(b, loss_fn, model, batch, state, distributed, share, step, holding, commit)
     holding = "the error's .model and .state are the values"
     given = model
     if distributed is None and not state.implicit:  # the whole step as one compiled call, where it compiles
@@ -398,6 +399,56 @@ def train_step(
     check = _finite_check(step, state, model, loss, pytree.tree_leaves(grads), holding)
     state, model = optim._apply(state, model, grads, check)
     return state, model, loss
+
+def _implicit_step(b: Backend, loss_fn: Callable[..., Any], model: Any, batch: tuple, state: optim.OptState,
+                   distributed: DataParallel | None, share: float, step: int, holding: str,
+                   commit: _Commit | None) -> tuple[optim.OptState, Any, Any]:
+    """The op-by-op implicit step, all or nothing.
+
+    The forward pass writes the model's other variables (BatchNorm's running statistics,
+    Keras's non-trainable variables) before anything can be checked, so they are copied
+    first (small: the parameters are not) and written back if the step raises, whatever
+    it raises (``NonFiniteError``, the loss's own exception, ``KeyboardInterrupt``).  The
+    parameters are assigned in one block that undoes itself (``optim._apply``'s commit);
+    an exception after that block, before the new state is handed over, undoes it too."""
+    params = optim.params_of(model)
+    others = _untrained_state(model, list(params))
+    kept = snapshot(others)
+    handed: list[bool] = []
+    undo: list[Callable[[], None]] = []  # the assignment's undo, until the new pair is handed over
+
+    def on_commit(new_state: optim.OptState, undo_assignment: Callable[[], None]) -> None:
+        undo.append(undo_assignment)
+        if commit is not None and distributed is None:
+            commit(new_state, model)
+            handed.append(True)
+
+    try:
+        loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
+        if distributed is not None:
+            from ._implicit import Grads
+
+            loss, values = distributed.average(loss, [grads[p] for p in params], share)
+            grads = Grads(params, values)
+        check = _finite_check(step, state, model, loss, [grads[p] for p in params], holding)
+        new_state, model = optim._apply(state, model, grads, check, on_commit)
+        if distributed is not None:
+            # each process's forward pass updated its own buffers (BatchNorm's running
+            # statistics) from its own rows: rank 0's win, as in torch's DDP
+            _broadcast_variables(distributed, others)
+            if commit is not None:
+                commit(new_state, model)
+                handed.append(True)
+    except BaseException:
+        if not handed:  # the caller still holds the old pair: the model goes back to it
+            with HeldInterrupts() as held:
+                for u in undo:
+                    u()
+                restore(others, kept)
+            held.deliver()
+        raise
+    return new_state, model, loss
+
 
 class _Progress:
     """A tqdm bar with the running loss if tqdm is installed, else one stderr line per epoch.
@@ -579,13 +630,22 @@ class _Loop:
         self.loss_fn, self.backend, self.distributed = loss_fn, b, distributed
         self.hooks, self.validation, self.bar = hooks, validation, bar
         self.history = History()
+        # the last consistent pair: what train hands back with any exception it propagates
+        self.state: optim.OptState | None = None
+        self.model: Any = None
+
+    def _commit(self, state: optim.OptState, model: Any) -> None:
+        self.state, self.model = state, model
 
     def epoch(self, epoch: int, data: Iterable[Any], state: optim.OptState, model: Any) -> tuple:
         """Every step of one epoch: ``(state, model, mean loss, stopped)``."""
         total, n = 0.0, 0
         for batch in data:
-            state, model, loss = train_step(self.loss_fn, model, batch, state, backend=self.backend,
-                                            distributed=self.distributed)
+            # implicit mode: the pair is also committed inside the step's assignment block
+            # (an interrupt right after the step finds self holding the pair the variables match)
+            state, model, loss = _train_step(self.loss_fn, model, batch, state, self.backend, self.distributed,
+                                             self._commit)
+            self.state, self.model = state, model
             value = float(to_numpy(loss))
             total, n = total + value, n + 1
             self.history._record_step(state.step, value)
@@ -694,6 +754,7 @@ def train(
         total = None
     bar = _Progress(progress, total, epochs)
     loop = _Loop(loss_fn, b, distributed, hooks, checked, bar)
+    loop.state, loop.model = state, model
     try:
         for cb in hooks:
             cb.on_train_begin(state, model, distributed)
@@ -702,9 +763,21 @@ def train(
             if stopped or loop.end_epoch(epoch, mean, state, model):
                 break
         state, model = loop.end(state, model)
-    except NonFiniteError as err:
-        err.history = loop.history  # type: ignore[attr-defined]
+    except BaseException as err:
+        # whatever stops the run (NonFiniteError, the loss's or a callback's exception,
+        # KeyboardInterrupt) carries the last consistent pair: every completed step is kept,
+        # and the variables of an implicit model match err.state (see _train_step's commit)
+        _attach(err, loop)
         raise
     finally:
         bar.close()
     return TrainResult(state, model, loop.history)
+
+
+def _attach(err: BaseException, loop: _Loop) -> None:
+    """``err.state``, ``err.model``, ``err.history``: the run's last consistent pair and its
+    history (an exception that takes no attributes is left as it is)."""
+    try:
+        err.state, err.model, err.history = loop.state, loop.model, loop.history  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        pass

@@ -133,6 +133,43 @@ class TorchProcessGroup:
             dist.all_gather_object(gathered, obj)
         return gathered
 
+    def fingerprint(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(digest, per_leaf)``: exact fingerprints of the tensors' bits, on the engine's device.
+
+        Each tensor's bytes are read as integers (mostly ``int64`` words, a view, not a
+        copy) and summed in ``int64``, wrapping on overflow (:func:`_bit_sums`): the plain
+        sum changes with any one changed element, whatever the change (it is exact, not a
+        float sum), and two position-weighted sums change when elements are swapped.
+        Integer sums wrap the same in any order, so equal tensors give equal sums on every
+        device and process. ``per_leaf`` is ``(len(tensors), 3)``; ``digest`` folds it, each
+        tensor weighted by its position, into 3 integers.
+        """
+        sums = [_bit_sums(t) for t in tensors]
+        per_leaf = torch.zeros((len(tensors), _DIGEST), dtype=torch.int64, device=self.device)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, s in enumerate(sums):  # one copy per device, not one per tensor
+            by_device.setdefault(s.device, []).append(i)
+        for indices in by_device.values():
+            per_leaf[indices] = torch.stack([sums[i] for i in indices]).to(self.device)
+        # odd weights: a change in one tensor's sums cannot vanish modulo 2**64 through its weight
+        weights = torch.arange(len(tensors), dtype=torch.int64, device=self.device) * 2 + 1
+        weights = weights * _GOLDEN  # spread over the bits (wraps, stays odd)
+        digest = (per_leaf * weights[:, None]).sum(0)
+        return digest, per_leaf
+
+    def all_gather_ints(self, values: list[int], tail: torch.Tensor | None = None) -> list[list[int]]:
+        """Every process's ``values + tail`` as ``int64``, in one small collective: ``[rank 0's,
+        rank 1's, ...]``. ``tail`` is a :meth:`fingerprint` digest, or ``None`` for zeros in its
+        place: every process sends as many integers, whether it fingerprinted or not."""
+        head = torch.tensor(values, dtype=torch.int64, device=self.device)
+        if tail is None:
+            tail = torch.zeros(_DIGEST, dtype=torch.int64, device=self.device)
+        mine = torch.cat([head, tail.reshape(-1).to(self.device, torch.int64)])
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with self._failing("checking that the processes are in step"):
+            dist.all_gather(gathered, mine)
+        return torch.stack(gathered).cpu().tolist()
+
     def barrier(self) -> None:
         with self._failing("waiting for every process (barrier)"):
             if self.backend == "gloo":  # names the ranks that did not arrive
@@ -144,6 +181,66 @@ class TorchProcessGroup:
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
             self.owned = False
+
+
+#: 0x9E3779B97F4A7C15 (2**64 / the golden ratio, odd) as a signed int64
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+#: integers in a fingerprint's digest (the sums of :func:`_bit_sums`)
+_DIGEST = 3
+#: words per row of the fingerprint's 2-d view: row sums and column sums locate every element
+_ROW = 64
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the widest integers that tile them (``int64`` for most arrays): a view,
+    no copy, where the memory allows."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    raw = flat.view(torch.uint8)
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if raw.numel() % size == 0:
+            try:
+                return raw.view(dtype)
+            except RuntimeError:  # an offset that is not a multiple of the word: try narrower words
+                continue
+    return raw
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser (a bijection of int64, wrapping): float words end in many zero
+    bits (1.0 is 1023 * 2**52), so their sums times even weight differences would vanish
+    modulo 2**64; mixed, they do not."""
+    x = x ^ _shr(x, 30)
+    x = x * (0xBF58476D1CE4E5B9 - 2**64)
+    x = x ^ _shr(x, 27)
+    x = x * (0x94D049BB133111EB - 2**64)
+    return x ^ _shr(x, 31)
+
+
+def _bit_sums(t: torch.Tensor) -> torch.Tensor:
+    """Three wrapping ``int64`` sums of ``t``'s bytes read as integers (:func:`_words`), laid out
+    in rows of ``_ROW`` words: the plain sum (exact: any one changed word changes it), and
+    the row sums and the column sums, each mixed (:func:`_mix`) and weighted by its odd
+    position (two words swapped change one of them). Two passes over the data, no copy:
+    the mixing and weighting touch ``n / _ROW + _ROW`` sums only."""
+    words = _words(t)
+    rows = words.numel() // _ROW
+    body, tail = words[: rows * _ROW].view(rows, _ROW), words[rows * _ROW:]
+    row_sums = torch.cat([body.sum(1, dtype=torch.int64), tail.sum(dtype=torch.int64).reshape(1)])
+    columns = torch.zeros(_ROW, dtype=torch.int64, device=words.device)
+    columns += body.sum(0, dtype=torch.int64)
+    columns[: tail.numel()] += tail.to(torch.int64)
+    row_weights = torch.arange(rows + 1, dtype=torch.int64, device=words.device) * 2 + 1
+    column_weights = torch.arange(_ROW, dtype=torch.int64, device=words.device) * 2 + 1
+    return torch.stack([row_sums.sum(), (_mix(row_sums) * row_weights).sum(), (_mix(columns) * column_weights).sum()])
 
 
 class _Failing:

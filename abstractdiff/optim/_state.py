@@ -294,11 +294,16 @@ def update(state: OptState, model: Any, grads: Any) -> tuple[OptState, Any]:
 
 
 def _apply(
-    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None = None
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None = None,
+    commit: Callable[[OptState, Callable[[], None]], None] | None = None,
 ) -> tuple[OptState, Any]:
     """:func:`update`, with ``check(new_values)`` called on the new parameter values after they
     are computed and before anything is returned or assigned: it may raise, and then the
-    model (variables included) and the state are left exactly as they were."""
+    model (variables included) and the state are left exactly as they were.
+
+    Implicit mode: ``commit(new_state, undo)`` is called once the new values are assigned,
+    in the same block without interrupts (see :func:`_assign`); ``undo()`` writes the old
+    values back (for a caller that fails before it hands the new state on)."""
     if not isinstance(state, OptState):
         raise ArgumentTypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
     if _is_grads(grads) or state.implicit:
@@ -309,7 +314,7 @@ def _apply(
                 + f" but got {'ad.Grads' if _is_grads(grads) else 'a pytree of gradients'}; set the state up "
                 "with optim.setup(rule, model) on the same kind of model the gradients come from"
             )
-        return _update_implicit(state, model, grads, check)
+        return _update_implicit(state, model, grads, check, commit)
     return _update_explicit(state, model, grads, check)
 
 
@@ -418,8 +423,45 @@ def _check_set_up_for(state: OptState, params: list[Any]) -> None:
         )
 
 
+def _assign(changed: list[tuple[Any, Any]], new_state: OptState,
+            commit: Callable[[OptState, Callable[[], None]], None] | None) -> None:
+    """Assign the new values as one block: all of them or none.
+
+    A ``KeyboardInterrupt`` landing between two assignments (or an assignment that raises)
+    would leave some variables updated and the state not: resuming from the state the
+    caller holds would then differ from an uninterrupted run.  So SIGINT is held off while
+    assigning (:class:`~abstractdiff._atomic.HeldInterrupts`), and the old values are kept
+    (copied only where the library assigns in place: torch, paddle) to undo the block if it
+    fails, or if an interrupt arrived meanwhile and nobody took the new state (``commit``
+    None: the interrupt then propagates from a step that applied nothing).  With
+    ``commit``, the new state is handed over inside the block, so an interrupt held there
+    is delivered after, with the caller holding the new, consistent pair."""
+    from .._atomic import HeldInterrupts, snapshot
+
+    variables = [v for v, _ in changed]
+    olds = snapshot(variables)
+
+    def undo() -> None:
+        for v, old in zip(variables, olds):
+            write(v, old)
+
+    with HeldInterrupts() as held:
+        try:
+            for v, value in changed:
+                write(v, value)
+            if commit is not None:
+                commit(new_state, undo)
+            elif held.pending:  # nobody holds the new state yet: the step applies nothing
+                undo()
+        except BaseException:
+            undo()
+            raise
+    held.deliver()
+
+
 def _update_implicit(
-    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None
+    state: OptState, model: Any, grads: Any, check: Callable[[list[Any]], None] | None,
+    commit: Callable[[OptState, Callable[[], None]], None] | None = None,
 ) -> tuple[OptState, Any]:
     params = list(params_of(model))
     if len(params) != len(state.tree):
@@ -440,9 +482,9 @@ def _update_implicit(
         changed = [(v, new) for v, new, old in zip(params, new_values, values) if new is not old]
         if check is not None:
             check([new for _, new in changed])
-        for v, value in changed:
-            write(v, value)
-    return state._replace(step=state.step + 1, tree=new_states, implicit=True), model
+        new_state = state._replace(step=state.step + 1, tree=new_states, implicit=True)
+        _assign(changed, new_state, commit)
+    return new_state, model
 
 
 # ------------------------------------------------------------------ adjust / freeze / thaw
