@@ -39,7 +39,7 @@ EXAMPLES = {"autograd": 20, "torch": 15, "paddle": 15, "jax": 4, "mlx": 15, "ten
 #: A case still running after this many seconds is stopped and fails as slow: every case
 #: takes seconds, so one that takes this long is a hang or a pathological route (and would
 #: take the suite past its budget).  The long hunt records slow cases without failing.
-TIME_LIMIT = 30.0
+TIME_LIMIT = 60.0
 
 HUNT = os.environ.get("ABSTRACTDIFF_ORACLE_EXAMPLES")
 SEED = int(os.environ.get("ABSTRACTDIFF_ORACLE_SEED", "45"))
@@ -189,20 +189,14 @@ OPEN = {
     "mlx-second_derivative-ridge": "MLX second derivative through a dense-solve custom_root",
     "tensorflow-pullback-fori_float": "TensorFlow fori_loop from a Python float (float32 carry)",
     "tensorflow-jacobian-fori_array": "TensorFlow Sparse Jacobian through fori_loop",
-    "jax-hvp-global_sin": "a global read through helpers the capture walk does not follow",
-    "tensorflow-gradient-scaled_sin": "a global read through helpers the capture walk does not follow",
-    "tensorflow-derivative-global_cube": "a global read through helpers the capture walk does not follow",
     "mlx-hvp-global_sin": "a global read through helpers the capture walk does not follow",
-    "jax-gradient-scaled_sin": "a global read through helpers the capture walk does not follow",
-    "jax-gradient-target_root": "a global read through helpers the capture walk does not follow",
 }
 #: Backends whose drawn grid does not run in `make test` today (the long hunt runs them).
 NOT_DRAWN = {
     "mlx": "open (issue 45): MLX crashes the process on a compiled second derivative through custom_root",
-    "pytensor": "open (issue 45): PyTensor forward mode through custom_root transposes the backward (0)",
 }
 #: Drawn grids with a known open failure at this seed (xfail, strict).
-OPEN_DRAWN = {"jax": "a second derivative through custom_root misses a changed global"}
+OPEN_DRAWN: dict[str, str] = {}
 
 
 def _saved_param(entry: dict) -> object:
