@@ -136,25 +136,26 @@ class TorchProcessGroup:
     def fingerprint(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(digest, per_leaf)``: exact fingerprints of the tensors' bits, on the engine's device.
 
-        Each tensor's bytes are read as integers (mostly ``int64`` words, a view, not a
-        copy) and summed in ``int64``, wrapping on overflow (:func:`_bit_sums`): the plain
-        sum changes with any one changed element, whatever the change (it is exact, not a
-        float sum), and two position-weighted sums change when elements are swapped.
-        Integer sums wrap the same in any order, so equal tensors give equal sums on every
-        device and process. ``per_leaf`` is ``(len(tensors), 3)``; ``digest`` folds it, each
-        tensor weighted by its position, into 3 integers.
+        Each tensor's bytes are read as integers (mostly ``int64`` words: a view, not a
+        copy), laid out in rows of ``_ROW`` words, and summed in ``int64``, wrapping on
+        overflow: the plain sum (exact, not a float sum: any one changed element changes
+        it, whatever the change), and the row sums and the column sums, each mixed
+        (:func:`_mix`) and weighted by its odd position (two elements swapped change one
+        of them). Integer sums wrap the same in any order, so equal tensors give equal
+        sums on every device and process. Two passes over the data per tensor; the rest
+        works on the ``n / _ROW + _ROW`` sums of all tensors at once. ``per_leaf`` is
+        ``(len(tensors), 3)``; ``digest`` folds it, mixed and weighted by each tensor's
+        odd position, into 3 integers.
         """
-        sums = [_bit_sums(t) for t in tensors]
         per_leaf = torch.zeros((len(tensors), _DIGEST), dtype=torch.int64, device=self.device)
         by_device: dict[torch.device, list[int]] = {}
-        for i, s in enumerate(sums):  # one copy per device, not one per tensor
-            by_device.setdefault(s.device, []).append(i)
-        for indices in by_device.values():
-            per_leaf[indices] = torch.stack([sums[i] for i in indices]).to(self.device)
-        # odd weights: a change in one tensor's sums cannot vanish modulo 2**64 through its weight
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        for indices in by_device.values():  # one batch of small ops, one copy per device
+            per_leaf[indices] = _bit_sums([tensors[i] for i in indices]).to(self.device)
+        # odd weights: a change in one tensor's (mixed) sums cannot vanish modulo 2**64
         weights = torch.arange(len(tensors), dtype=torch.int64, device=self.device) * 2 + 1
-        weights = weights * _GOLDEN  # spread over the bits (wraps, stays odd)
-        digest = (per_leaf * weights[:, None]).sum(0)
+        digest = (_mix(per_leaf) * weights[:, None]).sum(0)
         return digest, per_leaf
 
     def all_gather_ints(self, values: list[int], tail: torch.Tensor | None = None) -> list[list[int]]:
@@ -225,22 +226,30 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def _bit_sums(t: torch.Tensor) -> torch.Tensor:
-    """Three wrapping ``int64`` sums of ``t``'s bytes read as integers (:func:`_words`), laid out
-    in rows of ``_ROW`` words: the plain sum (exact: any one changed word changes it), and
-    the row sums and the column sums, each mixed (:func:`_mix`) and weighted by its odd
-    position (two words swapped change one of them). Two passes over the data, no copy:
-    the mixing and weighting touch ``n / _ROW + _ROW`` sums only."""
-    words = _words(t)
-    rows = words.numel() // _ROW
-    body, tail = words[: rows * _ROW].view(rows, _ROW), words[rows * _ROW:]
-    row_sums = torch.cat([body.sum(1, dtype=torch.int64), tail.sum(dtype=torch.int64).reshape(1)])
-    columns = torch.zeros(_ROW, dtype=torch.int64, device=words.device)
-    columns += body.sum(0, dtype=torch.int64)
-    columns[: tail.numel()] += tail.to(torch.int64)
-    row_weights = torch.arange(rows + 1, dtype=torch.int64, device=words.device) * 2 + 1
-    column_weights = torch.arange(_ROW, dtype=torch.int64, device=words.device) * 2 + 1
-    return torch.stack([row_sums.sum(), (_mix(row_sums) * row_weights).sum(), (_mix(columns) * column_weights).sum()])
+def _bit_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``(len(tensors), 3)`` wrapping ``int64`` sums of each tensor's words (:func:`_words`) in
+    rows of ``_ROW``: the plain sum, and the sums of the mixed row sums and of the mixed
+    column sums, weighted by their odd positions within the tensor (tensors on one device)."""
+    rows, columns, counts = [], [], []
+    for t in tensors:
+        words = _words(t)
+        n = words.numel() // _ROW
+        body, tail = words[: n * _ROW].view(n, _ROW), words[n * _ROW:]
+        rows += [body.sum(1, dtype=torch.int64), tail.sum(dtype=torch.int64).reshape(1)]  # the tail: a last row
+        padded = torch.nn.functional.pad(tail.to(torch.int64), (0, _ROW - tail.numel()))
+        columns.append(body.sum(0, dtype=torch.int64) + padded)
+        counts.append(n + 1)
+    device = tensors[0].device
+    row_sums, column_sums = torch.cat(rows), torch.stack(columns)
+    leaf = torch.repeat_interleave(torch.arange(len(tensors), device=device), torch.tensor(counts, device=device))
+    starts = torch.tensor([0, *counts[:-1]], dtype=torch.int64, device=device).cumsum(0)
+    row_weights = (torch.arange(row_sums.numel(), dtype=torch.int64, device=device) - starts[leaf]) * 2 + 1
+    column_weights = torch.arange(_ROW, dtype=torch.int64, device=device) * 2 + 1
+    out = torch.zeros((len(tensors), _DIGEST), dtype=torch.int64, device=device)
+    out[:, 0].index_add_(0, leaf, row_sums)
+    out[:, 1].index_add_(0, leaf, _mix(row_sums) * row_weights)
+    out[:, 2] = (_mix(column_sums) * column_weights).sum(1)
+    return out
 
 
 class _Failing:
