@@ -33,6 +33,7 @@ from . import _pytree as pytree
 from . import optim
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CheckpointError
+from ._implicit import model_state_variables
 from ._tree import is_array
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -82,42 +83,9 @@ def _path_str(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _model_variables(model: Any) -> list[tuple[str, Any]]:
-    """Every variable of a model holding variables, as ``(name, variable)``, once each.
-
-    Models are saved whole: what each library's ``model_state`` hook lists (a torch
-    module's parameters, frozen ones included, and its buffers, with their
-    ``state_dict`` names; every variable of a tf.Module / Keras model), variables
-    themselves and ``ad.Params`` as they are.  The optimiser state covers the trainable
-    ones only, in Params order.
-    """
-    from ._implicit import is_variable_or_model
-    from ._registry import backend_for
-
-    if optim._is_params(model):
-        return [("", v) for v in model]
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-
-    def add(name: str, var: Any) -> None:
-        if id(var) not in seen:  # a shared (tied) weight is stored once
-            seen.add(id(var))
-            found.append((name, var))
-
-    for leaf in pytree.tree_leaves(model, is_leaf=is_variable_or_model):
-        owner = backend_for(leaf)
-        state = None if owner is None else owner.model_state(leaf)
-        if state is not None:
-            for name, var in state:
-                add(name, var)
-        elif optim._is_variable(leaf):
-            add("", leaf)
-    return found
-
-
 def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
     """The leaves of ``(state, model)``, the treedef to rebuild them, and whether the
-    model holds variables (whose values are then the model's leaves, see ``_model_variables``)."""
+    model holds variables (whose values are then the model's leaves, see ``model_state_variables``)."""
     if not isinstance(state, optim.OptState):
         raise ArgumentTypeError(f"state must be the OptState from optim.setup(rule, model), got {type(state).__name__}")
     implicit = optim.holds_variables(model)
@@ -126,7 +94,7 @@ def _leaves(state: Any, model: Any) -> tuple[list[_Leaf], Any, bool]:
     if implicit:
         # "variable{i}" as before, so that checkpoints of models without frozen variables
         # or buffers written by earlier versions still load
-        for i, (name, var) in enumerate(_model_variables(model)):
+        for i, (name, var) in enumerate(model_state_variables(model)):
             leaves.append(_Leaf(f"model/variable{i}", optim.read(var), var, name))
     else:
         paths, values, _ = pytree.tree_flatten_with_path(model)
