@@ -43,6 +43,7 @@ step itself has.
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -52,7 +53,7 @@ import optree
 
 from . import _pytree as pytree
 from . import optim
-from ._atomic import HeldInterrupts
+from ._atomic import HeldInterrupts, untrained_state
 from ._cache import LRU, WeakLRU, value_key
 from ._captures import CaptureWatch
 from ._implicit import model_variables
@@ -340,6 +341,39 @@ def _variables(model: Any) -> list:
     return list(found[0]) if found is not None else list(optim.params_of(model))
 
 
+#: serialises the reordering of a loss's plans: threads training with one loss (two batch
+#: shapes) would otherwise remove the same plan twice (ValueError: list.remove(x))
+_PLANS_LOCK = threading.Lock()
+
+
+def _to_front(plans: list, plan: _Plan, drop: bool = False) -> None:
+    """``plan`` first in ``plans`` (or out of it, ``drop``), at most :data:`_PLANS_KEPT` kept."""
+    with _PLANS_LOCK:
+        if plan in plans:
+            plans.remove(plan)
+        if not drop:
+            plans.insert(0, plan)
+            del plans[_PLANS_KEPT:]
+
+
+class CacheInfo(NamedTuple):
+    """What ``ad.train_step.cache_info()`` reports of the compiled steps (as ``functools.lru_cache``).
+
+    ``steps``: compiled steps held (each holds the library's executables: one per batch
+    shape, bounded by the library adapter); ``max_steps``: the bound, :data:`CACHE_SIZE`,
+    least recently used out first; ``plans_per_loss``: the forms remembered per loss
+    function (and model, in implicit mode), :data:`_PLANS_KEPT`."""
+
+    steps: int
+    max_steps: int
+    plans_per_loss: int
+
+
+def cache_info() -> CacheInfo:
+    """The compiled training steps' cache: its size and bounds (see :class:`CacheInfo`)."""
+    return CacheInfo(len(STEPS), CACHE_SIZE, _PLANS_KEPT)
+
+
 def _compiler(b: Any) -> Callable[..., Any] | None:
     return getattr(b, "compiler", None)
 
@@ -378,17 +412,15 @@ def compiled_train_step(
                      and p.matches(state, leaves, params)), None)
     if plan is None or (plan.step.run is not _FAILED and not plan.step.watch.unchanged(loss_fn)):
         if plan is not None:  # a value the loss reads changed: plan (and trace) again
-            plans.remove(plan)
+            _to_front(plans, plan, drop=True)
         params = list(optim.params_of(model)) if implicit else []  # checked, as op by op
         leaves, whole_def = pytree.tree_flatten(whole, none_is_leaf=True)  # discovers container types
         plan = _plan(b, lib, compiler, loss_fn, bound, model, params, state, batch, whole_def)
         if plan is None:
             return None
-        plans.insert(0, plan)
-        del plans[_PLANS_KEPT:]
+        _to_front(plans, plan)
     elif plans[0] is not plan:
-        plans.remove(plan)
-        plans.insert(0, plan)
+        _to_front(plans, plan)
     if plan.step.run is _FAILED:
         return None
     ints = [leaves[i] for i in plan.scalar_at]
@@ -507,9 +539,8 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
         if not params or not all(lib.is_variable(v) for v in params) or len(params) != len(state.tree):
             return None  # (a wrong number of variables: the op-by-op step says what is wrong)
         _check_set_up_for(state, params)
-        from ._train import _untrained_state
 
-        others = _untrained_state(model, params)  # what the forward pass may write (kept to undo a failed step)
+        others = untrained_state(model, params)  # what the forward pass may write (kept to undo a failed step)
         m_kinds: list[int] | None = []
         floats = [optim.read(v) for v in params]
     else:

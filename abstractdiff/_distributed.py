@@ -467,10 +467,10 @@ def model_variables(model: Any) -> list[tuple[str, Any]]:
     parameters (``optim.params_of(model)``'s order) first, then the ones the optimiser
     does not train, buffers (BatchNorm's running statistics) and frozen parameters, as
     its library's ``model_state`` lists them."""
-    from ._checkpoint import _model_variables
+    from ._implicit import model_state_variables
 
     params = list(optim.params_of(model))
-    found = _model_variables(model)
+    found = model_state_variables(model)
     named = {id(v): name for name, v in found}
     trained = {id(p) for p in params}
     return [(named.get(id(p)) or f"parameter {i}", p) for i, p in enumerate(params)] + [

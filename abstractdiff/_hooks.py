@@ -91,6 +91,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "model_variables",
         "model_state",
         "read",
+        "read_kept",
         "write",
         "current_value",
         "new_variable",
@@ -287,6 +288,12 @@ class AdapterHooks:
     def read(self, var: Any) -> Any:
         """The current value of a variable, as a native array outside any autodiff graph."""
         return var.value
+
+    def read_kept(self, var: Any) -> Any:
+        """The current value of a variable, kept apart from later writes to the variable (a
+        failed training step writes it back): :meth:`read` where that returns an immutable
+        value or a copy; a library whose reads share memory with the variable copies."""
+        return self.read(var)
 
     def write(self, var: Any, value: Any) -> None:
         """Assign native array ``value`` to a variable in place (same shape and dtype)."""

@@ -222,6 +222,10 @@ class _Boxes:
     def read(self, var: Any) -> Any:
         return var._value
 
+    def read_kept(self, var: Any) -> Any:
+        value = var._value  # a numpy array the caller may still write into: copied
+        return value.copy() if isinstance(value, np.ndarray) else value
+
     def write(self, var: Any, value: Any) -> None:
         var.value = value
 
@@ -249,6 +253,50 @@ def variable_owner(v: Any) -> Any:
         return BOXES
     b = backend_for(v)
     return b if b is not None and b.is_variable(v) else None
+
+
+def is_library_variable(leaf: Any) -> bool:
+    """A variable its library would accept as a parameter, whatever its dtype (a torch
+    tensor that does not require grad is an array, not a variable)."""
+    owner = variable_owner(leaf)
+    if owner is None:
+        return False
+    try:
+        owner.check_variable(leaf, "leaf")
+    except NonDifferentiableInputError:  # an integer variable: still a variable
+        return True
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def model_state_variables(model: Any) -> list[tuple[str, Any]]:
+    """Every variable of a model holding variables, as ``(name, variable)``, once each.
+
+    What each library's ``model_state`` hook lists (a torch module's parameters, frozen ones
+    included, and its buffers, with their ``state_dict`` names; every variable of a
+    tf.Module / Keras model), variables themselves and ``ad.Params`` as they are: what a
+    checkpoint saves, a failed step restores and data-parallel ranks compare.
+    """
+    if getattr(model, "_abstractdiff_params", False):  # ad.Params
+        return [("", v) for v in model]
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def add(name: str, var: Any) -> None:
+        if id(var) not in seen:  # a shared (tied) weight is stored once
+            seen.add(id(var))
+            found.append((name, var))
+
+    for leaf in pytree.tree_leaves(model, is_leaf=is_variable_or_model):
+        owner = backend_for(leaf)
+        state = None if owner is None else owner.model_state(leaf)
+        if state is not None:
+            for name, var in state:
+                add(name, var)
+        elif is_library_variable(leaf):
+            add("", leaf)
+    return found
 
 
 def model_variables(obj: Any) -> tuple[list[Any], int] | None:

@@ -19,10 +19,10 @@ import numpy as np
 
 from . import _pytree as pytree
 from . import optim
-from ._atomic import HeldInterrupts, restore, snapshot
+from ._atomic import HeldInterrupts, restore, snapshot, untrained_state
 from ._backend import Backend
 from ._cache import WeakLRU
-from ._compiled_step import compiled_train_step
+from ._compiled_step import cache_info, compiled_train_step
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
@@ -247,15 +247,6 @@ def _non_finite(step: int, state: optim.OptState, model: Any, holding: str) -> N
     )
 
 
-def _untrained_state(model: Any, params: Any) -> list[Any]:
-    """The variables of ``model`` that the optimiser does not train: buffers (BatchNorm's
-    running statistics) and frozen parameters, as its library's ``model_state`` lists them."""
-    from ._checkpoint import _model_variables
-
-    trained = {id(p) for p in params}
-    return [v for _, v in _model_variables(model) if id(v) not in trained]
-
-
 def _broadcast_variables(dp: DataParallel, variables: list[Any]) -> None:
     """Rank 0's values written into ``variables`` on every process (one collective per dtype)."""
     for v, value in zip(variables, dp.broadcast([optim.read(v) for v in variables])):
@@ -269,7 +260,7 @@ def _distributed_start(dp: DataParallel, model: Any, implicit: bool, n_rows: Any
 
     if implicit:
         params = list(optim.params_of(model))
-        variables = params + _untrained_state(model, params)
+        variables = params + untrained_state(model, params)
         dp.check_same("the model (structure, shapes, dtypes) and the batch size",
                       [describe([optim.read(v) for v in variables]), n_rows])
         _broadcast_variables(dp, variables)
@@ -332,6 +323,8 @@ def train_step(
     return _train_step(loss_fn, model, batch, state, backend, distributed, None)
 
 
+train_step.cache_info = cache_info  # type: ignore[attr-defined]  # the compiled steps' cache and its bounds
+
 #: ``commit(state, model)``: the new pair handed over inside the step's assignment block
 _Commit = Callable[[optim.OptState, Any], None]
 
@@ -352,6 +345,8 @@ def _train_step(loss_fn: Callable[..., Any], model: Any, batch: Any, state: opti
     if distributed is not None:
         _check_distributed(distributed)
         batch, share, n_rows = distributed.shard(batch)
+        # every rank at the same step, batch size and model, every verify_every steps (issue 46)
+        distributed.verify_step(step, n_rows, model)
     if b.implicit:
         if not state.implicit:
             raise ModeMismatchError(
@@ -412,7 +407,7 @@ def _implicit_step(b: Backend, loss_fn: Callable[..., Any], model: Any, batch: t
     parameters are assigned in one block that undoes itself (``optim._apply``'s commit);
     an exception after that block, before the new state is handed over, undoes it too."""
     params = optim.params_of(model)
-    others = _untrained_state(model, list(params))
+    others = untrained_state(model, list(params))
     kept = snapshot(others)
     handed: list[bool] = []
     undo: list[Callable[[], None]] = []  # the assignment's undo, until the new pair is handed over
@@ -539,13 +534,12 @@ class _Validation:
                 f"numbers, or validation batches like data (a list of tuples of arrays, or one tuple "
                 f"(x, y)), got {type(validation).__name__}"
             )
+        validation = _batches(validation, "validation")  # the forms data takes
         if iter(validation) is validation:
             raise ArgumentTypeError(
                 "train: validation is a one-shot iterator (e.g. a generator), which would be empty after the "
                 "first epoch; pass a list of batches or another re-iterable collection"
             )
-        if isinstance(validation, tuple) and validation and all(is_array(a) for a in validation):
-            validation = [validation]  # one batch (x, y), as Keras's validation_data
         if hasattr(validation, "__len__") and len(validation) == 0:
             raise InvalidArgumentError("train: validation holds no batches; pass None for no validation")
         self.batches = validation
@@ -558,7 +552,7 @@ class _Validation:
         if not self.backend.implicit:
             return {"val_loss": self._mean_loss(model, model, _inner(self.backend), None)}
         params = optim.params_of(model)
-        others = _untrained_state(model, params)
+        others = untrained_state(model, params)
         kept = [np.array(to_numpy(optim.read(v)), copy=True) for v in others]  # a copy: torch shares memory
         try:
             values = [optim.read(p) for p in params]
@@ -607,15 +601,32 @@ class _Validation:
 
 
 # ------------------------------------------------------------------ the loop
-def _check_data(epochs: Any, data: Any) -> None:
+def _batches(data: Any, what: str) -> Any:
+    """``data`` or ``validation`` as an iterable of batches: the same forms for both.  A
+    tuple of arrays is one batch ``(x, y)`` (Keras's ``validation_data=(x, y)``): iterating
+    it would hand the loss one array per batch."""
+    if data is None or isinstance(data, (str, bytes)) or is_array(data) or not hasattr(data, "__iter__"):
+        raise ArgumentTypeError(
+            f"train: {what} must be batches: a list of tuples of arrays [(x, y), ...], a re-iterable dataset, "
+            f"or one tuple (x, y) for a single batch; got {type(data).__name__}"
+        )
+    if isinstance(data, tuple) and data and all(is_array(a) for a in data):
+        return [data]  # one batch (x, y)
+    return data
+
+
+def _check_data(epochs: Any, data: Any) -> Any:
+    """``data`` as batches (see :func:`_batches`), checked against ``epochs``."""
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0:
         raise InvalidArgumentError(f"train: epochs must be an int >= 0, got {epochs!r}")
+    data = _batches(data, "data")
     if epochs > 1 and iter(data) is data:
         raise ArgumentTypeError(
             "train: data is a one-shot iterator (e.g. a generator), which would be empty after the "
             "first epoch; pass a list of batches or another re-iterable collection, or call train "
             "once per epoch"
         )
+    return data
 
 
 def _stops(results: list[Any]) -> bool:
@@ -741,7 +752,7 @@ def train(
         >>> state.step, len(losses), np.round(model["w"], 3)
         (20, 20, array([ 1., -1.]))
     """
-    _check_data(epochs, data)
+    data = _check_data(epochs, data)
     hooks = as_callbacks(callbacks)
     b = backend if isinstance(backend, Backend) else _get_backend(backend)
     checked = _Validation(validation, loss_fn, b)

@@ -233,11 +233,11 @@ class EarlyStopping(Callback):
         return None
 
     def _keep(self, state: optim.OptState, model: Any) -> None:
-        from ._checkpoint import _model_variables
+        from ._implicit import model_state_variables
 
         self._best_state = state  # states are immutable: optim.update returns new ones
         if state.implicit:
-            self._best_model = [(v, _host_copy(_read(v))) for _, v in _model_variables(model)]
+            self._best_model = [(v, _host_copy(_read(v))) for _, v in model_state_variables(model)]
         else:
             self._best_model = model
 

@@ -210,6 +210,11 @@ class WithKerasVariables:
     def read(self, var: Any) -> Any:
         return self.native.read(native_variable(var))
 
+    def read_kept(self, var: Any) -> Any:
+        # the native hooks' copy where they have one (torch: reads share memory), else the read
+        native = self.native
+        return getattr(native, "read_kept", native.read)(native_variable(var))
+
     def write(self, var: Any, value: Any) -> None:
         self.native.write(native_variable(var), value)
 

@@ -297,6 +297,10 @@ class _Variables:
         return var.detach()
 
     @_dynamic
+    def read_kept(self, var: Any) -> Any:
+        return var.detach().clone()  # detach() shares memory that set_value writes
+
+    @_dynamic
     def write(self, var: Any, value: Any) -> None:
         with paddle.no_grad():
             var.set_value(value)

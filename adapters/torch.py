@@ -219,6 +219,9 @@ class _Variables:
     def read(self, var: Any) -> torch.Tensor:
         return var.detach()
 
+    def read_kept(self, var: Any) -> torch.Tensor:
+        return var.detach().clone()  # detach() shares memory that copy_ writes
+
     def write(self, var: Any, value: Any) -> None:
         with torch.no_grad():
             var.copy_(value)

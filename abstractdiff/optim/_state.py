@@ -14,7 +14,6 @@ from .._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     ModeMismatchError,
-    NonDifferentiableInputError,
     ShapeMismatchError,
     UnknownVariableError,
 )
@@ -135,20 +134,9 @@ def _is_params(obj: Any) -> bool:
 
 
 def _is_variable(leaf: Any) -> bool:
-    """A variable its library would accept as a parameter, whatever its dtype (a torch
-    tensor that does not require grad is an array, not a variable)."""
-    from .._implicit import variable_owner
+    from .._implicit import is_library_variable
 
-    owner = variable_owner(leaf)
-    if owner is None:
-        return False
-    try:
-        owner.check_variable(leaf, "leaf")
-    except NonDifferentiableInputError:  # an integer variable: still a variable
-        return True
-    except (TypeError, ValueError):
-        return False
-    return True
+    return is_library_variable(leaf)
 
 
 def holds_variables(model: Any) -> bool:
@@ -332,12 +320,54 @@ def _frozen_leaves(state: OptState, paths: list[tuple]) -> set[int]:
     return {i for i, p in enumerate(paths) if state.frozen.covers(p)}
 
 
+def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str) -> str | None:
+    """What is wrong with ``st`` as ``rule``'s state for a parameter of ``shape`` and ``dtype``,
+    or None.  The built-in rules keep arrays shaped and typed as their parameter
+    (``zeros_like``); a rule of the user's own may keep anything, so it is not checked.
+    Metadata only (shapes, dtype names): no array is read."""
+    if isinstance(rule, Chain):
+        if not isinstance(st, tuple) or len(st) != len(rule.rules):
+            return f"a state of another rule (the chain {rule!r} keeps one state per rule)"
+        return next((m for r, s in zip(rule.rules, st) if (m := _leaf_state_mismatch(r, s, shape, dtype))), None)
+    if type(rule).__module__ != Rule.__module__:
+        return None
+    from .._arrays import dtype_name
+
+    for a in pytree.tree_leaves(st):
+        # a 0-d leaf is a count (Adam's t), traced as an array of the step's dtype in a compiled step
+        if is_array(a) and shape_of(a) != () and (shape_of(a) != shape or dtype_name(a) != dtype):
+            return f"an array of shape {shape_of(a)} and dtype {dtype_name(a)}"
+    return None
+
+
+def _check_leaf_states(rule: Rule, xs: list[Any], states: list[Any], live: list[int],
+                       where: Callable[[int], str]) -> None:
+    """Refuse a state whose arrays do not match the parameters they belong to: arithmetic
+    would broadcast a state of another but compatible shape silently (or fail with a raw
+    library error), training with another model's moments."""
+    from .._arrays import dtype_name
+
+    for i in live:
+        x = xs[i]
+        if not is_array(x):  # a Python float kept as one (numpy gradients): its state is 0-d
+            continue
+        mismatch = _leaf_state_mismatch(rule, states[i], shape_of(x), dtype_name(x))
+        if mismatch is not None:
+            raise ShapeMismatchError(
+                f"optim.update: the optimiser state of {where(i)} holds {mismatch}, but the parameter has shape "
+                f"{shape_of(x)} and dtype {dtype_name(x)}; the state belongs to another model (or was loaded for "
+                f"one). Call optim.setup(rule, model) for this model, or load the state with this model as like"
+            )
+
+
 def _step(
-    state: OptState, xs: list[Any], gs: list[Any], states: list[Any], live: list[int]
+    state: OptState, xs: list[Any], gs: list[Any], states: list[Any], live: list[int],
+    where: Callable[[int], str] = lambda i: f"leaf {i}",
 ) -> tuple[list[Any], list[Any]]:
     """The new values and leaf states of the leaves ``live``; the others stay as they are
     (same objects).  A ``None`` delta leaves the value as it is."""
     rule = state.rule.at(state.step)  # scheduled hyperparameters as numbers (checked)
+    _check_leaf_states(state.rule, xs, states, live, where)
     new_states, deltas = rule.apply_tree([states[i] for i in live], [xs[i] for i in live], [gs[i] for i in live])
     values, out_states = list(xs), list(states)
     for i, s, d in zip(live, new_states, deltas):
@@ -395,7 +425,8 @@ def _update_explicit(
     # the gradients too: numpy float64 leaves with jax float64 gradients compute in jax
     with arithmetic_scope([*leaves, *g_leaves]):
         xs, s_leaves = _python_floats_as_arrays(leaves, g_leaves, s_leaves, live)
-        new_leaves, new_states = _step(state, xs, g_leaves, s_leaves, live)
+        new_leaves, new_states = _step(state, xs, g_leaves, s_leaves, live,
+                                       lambda i: f"the parameter at path {paths[i]!r}")
         if check is not None:
             check([v for v, x in zip(new_leaves, xs) if v is not x])
     new_leaves = [_as_leaf_type(new, x, old) for new, x, old in zip(new_leaves, xs, leaves)]
@@ -478,7 +509,7 @@ def _update_implicit(
     # variables as they were.  The gradients count for the scope too: ad.Variable boxes
     # of numpy float64 with jax float64 gradients compute in jax.
     with arithmetic_scope([*values, *gs]):
-        new_values, new_states = _step(state, values, gs, list(state.tree), live)
+        new_values, new_states = _step(state, values, gs, list(state.tree), live, lambda i: f"variable {i}")
         changed = [(v, new) for v, new, old in zip(params, new_values, values) if new is not old]
         if check is not None:
             check([new for _, new in changed])
