@@ -56,6 +56,7 @@ from . import optim
 from ._atomic import HeldInterrupts, untrained_state
 from ._cache import LRU, WeakLRU, value_key
 from ._captures import CaptureWatch
+from ._errors import InvalidArgumentError
 from ._implicit import model_variables
 from ._tree import _function_identity, _weak_callable, is_array
 from .optim._rules import Chain, Rule
@@ -68,11 +69,43 @@ class CompileFallbackWarning(UserWarning):
     """A training step that could not be compiled as a whole runs op by op (same values, slower)."""
 
 
+class NumpyRandomnessError(InvalidArgumentError):
+    """The loss drew from numpy's global random state while the step was traced: raised to
+    the user, never turned into the op-by-op fallback (which would hide why)."""
+
+
+def _numpy_random_position() -> tuple:
+    """Where numpy's global generator (``np.random.normal`` & co.) stands: it moves with
+    every draw (the Mersenne Twister's position, key and cached Gaussian)."""
+    state = np.random.get_state(legacy=False)
+    inner = state["state"]
+    return inner["pos"], inner["key"].tobytes(), state["has_gauss"], state["gauss"]
+
+
+_RANDOM_MESSAGE = (
+    "train_step: the loss drew from numpy's global random state (np.random.*) while the step was compiled, so "
+    "every step would reuse the numbers drawn once at the trace; pass randomness in with the batch (draw it "
+    "outside the loss, per step, from np.random.default_rng(seed)), or train with the backend's compile=False"
+)
+
+
+def _traced_value_and_gradient(b: Any, loss: Callable[..., Any], wrt: Any, batch: Any) -> Any:
+    """``b.value_and_gradient`` while the step is traced, refusing a loss that draws from
+    numpy's global random state: a compiled step runs the loss once, at the trace, so those
+    numbers would be drawn once and reused by every later step (the op-by-op step draws anew)."""
+    before = _numpy_random_position()
+    out = b.value_and_gradient(loss, wrt, *batch)
+    if _numpy_random_position() != before:
+        raise NumpyRandomnessError(_RANDOM_MESSAGE)
+    return out
+
+
 #: compiled steps kept, least recently used out first (each holds a library executable)
 CACHE_SIZE = 16
 
 _DYNAMIC, _SCALAR, _STATIC = 0, 1, 2
 _FAILED = object()  # a form whose trace failed: op by op from then on
+_RANDOM = object()  # a form whose loss draws from numpy's global random state: refused from then on
 #: the leaves that are not arrays a compiled step keys exactly (any other object: op by op)
 _PLAIN = (type(None), bool, int, str, bytes)
 
@@ -164,7 +197,7 @@ _EXACT_BELOW = {"float64": 2**53, "float32": 2**24}
 
 
 class _Step(NamedTuple):
-    run: Any  # the library's compiled step, or _FAILED
+    run: Any  # the library's compiled step, or _FAILED, or _RANDOM
     watch: CaptureWatch
     alive: list  # the objects the key names by identity, held while the entry lives
     refs: list  # weak references to the loss and the variables, which the key names by id
@@ -423,6 +456,8 @@ def compiled_train_step(
         _to_front(plans, plan)
     if plan.step.run is _FAILED:
         return None
+    if plan.step.run is _RANDOM:  # (the library may keep the loss's trace: it would not draw again)
+        raise NumpyRandomnessError(_RANDOM_MESSAGE)
     ints = [leaves[i] for i in plan.scalar_at]
     if ints and max(map(abs, ints)) >= _EXACT_BELOW[plan.dtype]:
         return None
@@ -462,6 +497,12 @@ def _finish(plan: _Plan, lib: Any, state: optim.OptState, model: Any, leaves: li
     implicit = held is not None
     try:
         loss, on_device, new_m, new_s, *olds = plan.call(*args)
+    except NumpyRandomnessError:
+        # the user's to fix (the op-by-op fallback would hide it), refused at every call of this form
+        refused = plan.step._replace(run=_RANDOM)
+        STEPS.put(plan.key, refused)
+        plan.step = refused
+        raise
     except Exception as err:  # noqa: BLE001 - a form the library cannot trace: op by op from now on
         failed = plan.step._replace(run=_FAILED)
         STEPS.put(plan.key, failed)
@@ -665,7 +706,7 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
             params = list(ps)
             olds = [optim.read(v) for v in params]
             kept = [optim.read(v()) for v in other_refs]  # before the forward pass writes them
-            loss, grads = b.value_and_gradient(bound_ref(), ps, *batch)
+            loss, grads = _traced_value_and_gradient(b, bound_ref(), ps, batch)
             grad_leaves = [grads[p] for p in params]
             # the variables' values as an explicit list model: the same rule arithmetic, and
             # the same frozen paths ((i,) for the i-th variable)
@@ -673,7 +714,7 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
         else:
             olds = _fill(m_leaves, m_kinds, list(m_arrays), [])
             model = pytree.tree_unflatten(m_def, olds)
-            loss, grads = b.value_and_gradient(loss_ref(), model, *batch)
+            loss, grads = _traced_value_and_gradient(b, loss_ref(), model, batch)
             grad_leaves = m_def.flatten_up_to(grads)
             new_st, new_model = optim._apply(shell._replace(rule=rule, tree=tree), model, grads)
             news = pytree.tree_flatten(new_model, none_is_leaf=True)[0]
