@@ -183,9 +183,10 @@ def save_checkpoint(path: str | bytes | os.PathLike, state: optim.OptState, mode
     except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(err, OSError) and err.errno is not None and tmp in (err.filename, err.filename2):
-            # the temporary file is an implementation detail: name the path the user gave
-            raise OSError(err.errno, f"cannot save the checkpoint ({err.strerror})", path) from err
+        if isinstance(err, OSError) and tmp in (err.filename, err.filename2):
+            # the temporary file is an implementation detail: the error (its class and errno
+            # kept: PermissionError, a full disk) names the path the user gave
+            err.filename, err.filename2 = path, None
         raise
 
 

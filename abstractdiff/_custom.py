@@ -25,8 +25,9 @@ Implicit differentiation (``custom_root``, ``custom_fixed_point``) is built on
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -336,6 +337,21 @@ class Rule:
         return out, self._checked(given, list(out), "the jvp rule's tangent_out", lambda k: f"for output leaf {k}")
 
     # ------------------------------------------------------------ refusals
+    def with_inputs(self, inputs: Sequence[Any]) -> Rule:
+        """This rule for a call with ``inputs`` (one per float leaf) in place of the arguments
+        it was made with: for an adapter whose library rebuilds a node on new inputs with the
+        same rule (PyTensor's ``graph_replace`` of a nested operator's placeholders), so that
+        what the rule makes from the call's arguments (zeros for a cotangent ``bwd`` leaves
+        as None) comes from the node's inputs, not from values replaced out of the graph."""
+        leaves = list(self._leaves)
+        if all(leaves[i] is a for i, a in zip(self._index, inputs)):
+            return self
+        for i, a in zip(self._index, inputs):
+            leaves[i] = a
+        bound = copy.copy(self)
+        bound._leaves = leaves
+        return bound
+
     def no_vjp_error(self) -> CustomRuleError:
         return mode_refusal("reverse",
             f"{self.name} is an ad.custom_jvp function, and the {self.backend.name} backend cannot transpose a "

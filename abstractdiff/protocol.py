@@ -279,7 +279,8 @@ class Adapter:
         a jvp rule (tensorflow): the core then refuses forward mode through rules that take
         derivatives in their jvp.  ``rule.takes_derivatives`` (read only) is True for a rule
         whose functions call the operators (``ad.custom_root``'s): a library that cannot build
-        that into a compiled loop's body runs such a loop in Python.
+        that into a compiled loop's body runs such a loop in Python.  ``rule.with_inputs(inputs)``
+        is the rule for a node its library rebuilt on other inputs (PyTensor's graph_replace).
         ``rule.stops_gradient`` marks ``ad.stop_gradient``'s rule (the identity, with zero
         derivatives): an adapter may return the library's own operation for it instead
         (``lax.stop_gradient``, ``detach``), applied to each input.

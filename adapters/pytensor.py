@@ -869,25 +869,6 @@ def _on_plain(build: Callable[..., list], *groups: list) -> list:
     return graph_replace(out, {stand: v for v, stand in stands.values()}, strict=False)
 
 
-def _at(rule: Any, args: list) -> Any:
-    """``rule`` as called with ``args``, the inputs of the node whose derivative is being built.
-
-    A rule keeps the arguments of the call that made it, and the core fills a cotangent its
-    ``bwd`` leaves as None with zeros shaped like that argument.  A node's inputs are not
-    always those: ``graph_replace`` (a nested operator's placeholders replaced by the outer
-    graph's values, or a transposition's stand-ins) clones the node with new inputs and the
-    same Op, and zeros made from the call's arguments would bring the replaced placeholders
-    back into the graph (a MissingInputError when it is compiled)."""
-    leaves = list(rule._leaves)
-    if all(leaves[i] is a for i, a in zip(rule._index, args)):
-        return rule
-    for i, a in zip(rule._index, args):
-        leaves[i] = a
-    bound = copy.copy(rule)
-    bound._leaves = leaves
-    return bound
-
-
 class _RuleOp(OpFromGraph):
     """``rule.value`` as an inlined graph (merged with the residuals' recomputation when
     compiled) whose pullback is ``rule.backward`` (or the transposed ``rule.jvp``) and whose
@@ -922,7 +903,7 @@ class _RuleOp(OpFromGraph):
         return grads + undefined
 
     def _rule_pullback(self, args: list, outputs: list, cotangents: list) -> list:
-        rule = _at(self.rule, args)
+        rule = self.rule.with_inputs(args)  # (a node rebuilt on other inputs keeps the Op)
         cts = [c if _connected(c) else pt.zeros_like(o) for c, o in zip(cotangents, outputs)]
         if rule.has_vjp:
             grads = rule.backward(rule.forward(*args)[1], tuple(cts))
@@ -939,7 +920,7 @@ class _RuleOp(OpFromGraph):
         return _on_plain(self._rule_pushforward, args, outputs, ts)
 
     def _rule_pushforward(self, args: list, outputs: list, tangents: list) -> list:
-        rule = _at(self.rule, args)
+        rule = self.rule.with_inputs(args)  # (a node rebuilt on other inputs keeps the Op)
         if rule.has_jvp:
             out = rule.jvp(tuple(args), tuple(tangents))[1]
         else:  # the pullback's transpose: two applications of the vjp rule

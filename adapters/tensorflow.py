@@ -373,6 +373,10 @@ class _Loops:
             ) from err
 
 
+#: Compiled functions kept per step function (one per signature: group lengths, dtypes, shapes).
+_CONCRETE_PER_STEP = 16
+
+
 class TensorFlowAdapter(Adapter):
     name = "tensorflow"
     extra = "tensorflow"
@@ -408,14 +412,24 @@ class TensorFlowAdapter(Adapter):
         # that have no gradient themselves (Slice's is XlaDynamicUpdateSlice, met by the
         # gradients of concatenate, pad and tf.while_loop), so forward over reverse (a sparse
         # Hessian's products) raises a LookupError there and works in a plain graph.
-        concrete: LRU[tuple, list] = LRU(16)  # signature -> [concrete function, whether it ran]
+        # Once more signatures than the cache holds have been seen (a step cycling through
+        # many batch shapes), new ones are plain graphs: XLA keeps every executable it
+        # compiled until the process ends, so each evicted and retraced XLA function grew the
+        # process (about 1.2 MB a step), while a plain graph is freed with its function.
+        concrete: LRU[tuple, list] = LRU(_CONCRETE_PER_STEP)  # signature -> [concrete function, whether it ran]
+        xla = [True]
+
+        def build(sizes: tuple, flat: list) -> list:
+            if len(concrete) >= _CONCRETE_PER_STEP:
+                xla[0] = False
+            return self._traced_concrete(step, sizes, flat, xla[0])
 
         def run(*groups: Any) -> Any:
             sizes = tuple(len(g) if isinstance(g, list) else -1 for g in groups)
             flat = [a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
                     for g in groups for a in (g if isinstance(g, list) else (g,))]
             key = (sizes, signature(flat))
-            entry = concrete.get_or_build(key, lambda: self._traced_concrete(step, sizes, flat))
+            entry = concrete.get_or_build(key, lambda: build(sizes, flat))
             try:  # (the call's public form would re-parse its arguments)
                 out = entry[0]._call_flat(flat, entry[0].captured_inputs)
             except tf.errors.OpError:  # XLA cannot compile it (a real error is raised again below)
@@ -428,17 +442,18 @@ class TensorFlowAdapter(Adapter):
 
         return run
 
-    def _traced_concrete(self, step: Callable, sizes: tuple, flat: list) -> list:
-        """``[concrete function, whether it ran]``: traced for XLA, else (a trace only XLA's
-        context fails, see :meth:`_compiler`) as a plain graph, which counts as having run (an
-        error at its call is the step's own).  An error of the plain trace is ``f``'s: raised as
-        ours where it is one (autograph and pfor wrap it in a StagingError) or one that only
-        tracing causes (a numpy call on a traced tensor)."""
-        try:
-            return [self._concrete(step, sizes, flat, True), False]
-        except Exception as err:  # noqa: BLE001 - retraced as a plain graph, which says what is wrong
-            if (ours := _abstractdiff_error(err)) is not None:
-                raise ours from None  # a refusal (a custom rule's): the same in a plain graph
+    def _traced_concrete(self, step: Callable, sizes: tuple, flat: list, xla: bool = True) -> list:
+        """``[concrete function, whether it ran]``: traced for XLA (where ``xla``), else (a trace
+        only XLA's context fails, see :meth:`_compiler`) as a plain graph, which counts as having
+        run (an error at its call is the step's own).  An error of the plain trace is ``f``'s:
+        raised as ours where it is one (autograph and pfor wrap it in a StagingError) or one
+        that only tracing causes (a numpy call on a traced tensor)."""
+        if xla:
+            try:
+                return [self._concrete(step, sizes, flat, True), False]
+            except Exception as err:  # noqa: BLE001 - retraced as a plain graph, which says what is wrong
+                if (ours := _abstractdiff_error(err)) is not None:
+                    raise ours from None  # a refusal (a custom rule's): the same in a plain graph
         try:
             return [self._concrete(step, sizes, flat, False), True]
         except Exception as err:

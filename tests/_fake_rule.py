@@ -29,6 +29,9 @@ class FakeRule:
         self.takes_derivatives = False  # only ad.custom_root's rules differentiate inside
         self.calls = {"forward": 0, "backward": 0, "jvp": 0}
 
+    def with_inputs(self, inputs):
+        return self  # its rules make nothing from the call's arguments
+
     def value(self, x, y):
         return (self.sum(x * x) * y,)
 

@@ -123,7 +123,7 @@ def test_compiled_default_mode_and_float32(kind):
 
 
 class _TwoOutputs:
-    name, has_vjp, has_jvp, stops_gradient = "two", True, False, False
+    name, has_vjp, has_jvp, stops_gradient, takes_derivatives = "two", True, False, False, False
 
     def value(self, x):
         return (x * 2, pt.sum(x))
@@ -133,6 +133,9 @@ class _TwoOutputs:
 
     def backward(self, residuals, cotangents):
         return (5 * cotangents[0] + 7 * cotangents[1],)
+
+    def with_inputs(self, inputs):
+        return self
 
 
 def test_an_output_without_cotangent_gets_zeros(b):
