@@ -612,6 +612,12 @@ def _batches(data: Any, what: str) -> Any:
         )
     if isinstance(data, tuple) and data and all(is_array(a) for a in data):
         return [data]  # one batch (x, y)
+    if isinstance(data, list) and data and all(is_array(a) for a in data):
+        # [x, y] is ambiguous (one batch, or batches of one array each): refused, not guessed
+        raise ArgumentTypeError(
+            f"train: {what} is a list of {len(data)} arrays, which would be {len(data)} batches of one array "
+            f"each; pass one batch as a tuple (x, y), or batches as a list of tuples [(x, y), ...]"
+        )
     return data
 
 

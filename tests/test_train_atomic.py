@@ -362,3 +362,22 @@ def test_compiled_step_cache_is_bounded_and_thread_safe():
         t.join()
     assert not errors, errors
     assert ad.train_step.cache_info().steps <= info.max_steps
+
+
+# ---------------------------------------------------------------- found by the attack
+def test_a_gradient_of_another_shape_is_refused():
+    model = {"w": np.ones((2, 1))}
+    for rule, grad in [(optim.Descent(0.1), np.ones((2, 2))), (optim.Adam(0.1), np.ones((1, 1)))]:
+        with pytest.raises(ad.ShapeMismatchError, match="gradient of .* has shape"):
+            optim.update(optim.setup(rule, model), model, {"w": grad})
+    assert model["w"].shape == (2, 1) and np.all(model["w"] == 1.0)
+
+
+def test_a_list_of_arrays_as_data_is_refused_with_the_forms():
+    b = ad.backend("finite_differences")
+    w = np.ones(2)
+    x, y = np.ones((4, 2)), np.ones(4)
+    state = optim.setup(optim.Descent(0.1), w)
+    for data, validation in [([x, y], None), ([(x, y)], [x, y])]:
+        with pytest.raises(ad.ArgumentTypeError, match="list of 2 arrays.*tuple"):
+            ad.train(lambda w, x, y: np.sum((x @ w - y) ** 2), w, data, state, backend=b, validation=validation)

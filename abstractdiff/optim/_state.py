@@ -340,6 +340,18 @@ def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str) -> str |
     return None
 
 
+def _check_grad_shapes(xs: list[Any], gs: list[Any], live: list[int], where: Callable[[int], str]) -> None:
+    """Refuse a gradient of another shape than its parameter: the update would broadcast it
+    (a (2, 1) parameter with a (2, 2) gradient became (2, 2)), silently."""
+    for i in live:
+        x, g = xs[i], gs[i]
+        if is_array(x) and is_array(g) and shape_of(g) != shape_of(x):
+            raise ShapeMismatchError(
+                f"optim.update: the gradient of {where(i)} has shape {shape_of(g)}, but the parameter has shape "
+                f"{shape_of(x)}; pass grads computed for this model (ad.gradient of the loss at it)"
+            )
+
+
 def _check_leaf_states(rule: Rule, xs: list[Any], states: list[Any], live: list[int],
                        where: Callable[[int], str]) -> None:
     """Refuse a state whose arrays do not match the parameters they belong to: arithmetic
@@ -367,6 +379,7 @@ def _step(
     """The new values and leaf states of the leaves ``live``; the others stay as they are
     (same objects).  A ``None`` delta leaves the value as it is."""
     rule = state.rule.at(state.step)  # scheduled hyperparameters as numbers (checked)
+    _check_grad_shapes(xs, gs, live, where)
     _check_leaf_states(state.rule, xs, states, live, where)
     new_states, deltas = rule.apply_tree([states[i] for i in live], [xs[i] for i in live], [gs[i] for i in live])
     values, out_states = list(xs), list(states)
