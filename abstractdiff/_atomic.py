@@ -56,7 +56,7 @@ def untrained_state(model: Any, params: Any) -> list[Any]:
     running statistics) and frozen parameters, as its library's ``model_state`` lists them
     (what a forward pass may write, to be kept for undoing a failed step)."""
     trained = {id(p) for p in params}
-    return [v for _, v in model_state_variables(model) if id(v) not in trained]
+    return [v for _, v in model_state_variables(model, written=True) if id(v) not in trained]
 
 
 class HeldInterrupts:

@@ -90,6 +90,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "check_variable",
         "model_variables",
         "model_state",
+        "forward_state",
         "read",
         "read_kept",
         "write",
@@ -283,6 +284,11 @@ class AdapterHooks:
 
     def model_state(self, obj: Any) -> list[tuple[str, Any]] | None:
         """Every variable a checkpoint saves of a model (frozen ones and buffers too), with names."""
+        return None
+
+    def forward_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        """Variables of a model its forward pass may write that ``model_state`` leaves out (torch's
+        non-persistent buffers), with names, or ``None``: a failed training step restores them too."""
         return None
 
     def read(self, var: Any) -> Any:

@@ -270,13 +270,15 @@ def is_library_variable(leaf: Any) -> bool:
     return True
 
 
-def model_state_variables(model: Any) -> list[tuple[str, Any]]:
+def model_state_variables(model: Any, written: bool = False) -> list[tuple[str, Any]]:
     """Every variable of a model holding variables, as ``(name, variable)``, once each.
 
     What each library's ``model_state`` hook lists (a torch module's parameters, frozen ones
     included, and its buffers, with their ``state_dict`` names; every variable of a
     tf.Module / Keras model), variables themselves and ``ad.Params`` as they are: what a
-    checkpoint saves, a failed step restores and data-parallel ranks compare.
+    checkpoint saves and data-parallel ranks compare.  ``written``: also what the forward
+    pass may write that a checkpoint leaves out (the ``forward_state`` hook: torch's
+    non-persistent buffers), which a failed training step restores.
     """
     if getattr(model, "_abstractdiff_params", False):  # ad.Params
         return [("", v) for v in model]
@@ -293,6 +295,8 @@ def model_state_variables(model: Any) -> list[tuple[str, Any]]:
         state = None if owner is None else owner.model_state(leaf)
         if state is not None:
             for name, var in state:
+                add(name, var)
+            for name, var in (owner.forward_state(leaf) or []) if written else []:
                 add(name, var)
         elif is_library_variable(leaf):
             add("", leaf)

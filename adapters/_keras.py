@@ -207,6 +207,12 @@ class WithKerasVariables:
             return model_state(obj, self.keras_backend)
         return self.native.model_state(obj)
 
+    def forward_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        if is_keras_layer(obj) or is_keras_variable(obj):
+            return None  # a Keras model's model_state holds every variable
+        forward_state = getattr(self.native, "forward_state", None)
+        return None if forward_state is None else forward_state(obj)
+
     def read(self, var: Any) -> Any:
         return self.native.read(native_variable(var))
 

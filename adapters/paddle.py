@@ -293,6 +293,10 @@ class _Variables:
         # state_dict's names; paddle's state_dict holds the tensors themselves
         return list(obj.state_dict().items()) if isinstance(obj, paddle.nn.Layer) else None
 
+    def forward_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # every buffer, the non-persistable ones (register_buffer(..., persistable=False)) too
+        return list(obj.named_buffers()) if isinstance(obj, paddle.nn.Layer) else None
+
     def read(self, var: Any) -> Any:
         return var.detach()
 

@@ -216,6 +216,10 @@ class _Variables:
         # state_dict order and with its names
         return list(obj.state_dict(keep_vars=True).items()) if isinstance(obj, torch.nn.Module) else None
 
+    def forward_state(self, obj: Any) -> list[tuple[str, Any]] | None:
+        # every buffer, the non-persistent ones (register_buffer(..., persistent=False)) too
+        return list(obj.named_buffers()) if isinstance(obj, torch.nn.Module) else None
+
     def read(self, var: Any) -> torch.Tensor:
         return var.detach()
 

@@ -381,3 +381,30 @@ def test_a_list_of_arrays_as_data_is_refused_with_the_forms():
     for data, validation in [([x, y], None), ([(x, y)], [x, y])]:
         with pytest.raises(ad.ArgumentTypeError, match="list of 2 arrays.*tuple"):
             ad.train(lambda w, x, y: np.sum((x @ w - y) ** 2), w, data, state, backend=b, validation=validation)
+
+
+def test_a_non_persistent_buffer_is_restored_after_a_failed_step():
+    torch = pytest.importorskip("torch")
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1).double()
+            # not in state_dict (checkpoints leave it out), but the forward pass writes it
+            self.register_buffer("seen", torch.zeros(2, dtype=torch.float64), persistent=False)
+
+        def forward(self, x):
+            self.seen += x.mean(0)
+            return self.lin(x)
+
+    def failing(m, x, y):
+        m(x)
+        raise RuntimeError("after the forward pass")
+
+    x, y = torch.ones(3, 2, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64)
+    for compile_ in (True, False):
+        m = Counting()
+        state = optim.setup(optim.Adam(0.1), m)
+        with pytest.raises(RuntimeError, match="after the forward pass"):
+            ad.train_step(failing, m, (x, y), state, backend=ad.Implicit(ad.backend("torch", compile=compile_)))
+        assert torch.equal(m.seen, torch.zeros(2, dtype=torch.float64))
