@@ -188,7 +188,7 @@ def test_ranks_at_different_steps_or_structures_are_an_error(ranks):
 
 @needs_gloo
 def test_end_to_end_train_refuses_ranks_resumed_with_different_models(ranks):
-    # END-TO-END: fails until _train.py's train_step calls distributed.verify_step(step, n_rows, model)
+    # end to end: train_step verifies the ranks each step (distributed.verify_step)
     for message in _both(ranks, "train_different"):
         assert message is not None and f"before step {STEPS_BEFORE + 1}" in message
         assert "rank 1's model values differ from rank 0's" in message
