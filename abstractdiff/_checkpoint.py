@@ -32,7 +32,7 @@ from . import _checkpoint_format as fmt
 from . import _pytree as pytree
 from . import optim
 from ._convert import to_numpy
-from ._errors import ArgumentTypeError, CheckpointError
+from ._errors import ArgumentTypeError, CheckpointError, InvalidArgumentError
 from ._implicit import model_state_variables
 from ._tree import is_array
 
@@ -142,6 +142,9 @@ def save_checkpoint(path: str | bytes | os.PathLike, state: optim.OptState, mode
     """
     leaves, _, _ = _leaves(state, model)
     path = _fspath(path)
+    if os.path.isdir(path):  # os.replace would raise IsADirectoryError after the whole file was written
+        raise CheckpointError(f"save_checkpoint: {path} is a directory; pass the path of a file in it, e.g. "
+                              f"{os.path.join(path, 'checkpoint.npz')}")
     safetensors = _safetensors() if _is_safetensors(path) else None
     meta = {"format": FORMAT, "version": VERSION, "leaves": [_describe(leaf, i) for i, leaf in enumerate(leaves)]}
     arrays: dict[str, np.ndarray] = {}
@@ -199,7 +202,11 @@ def _fspath(path: Any) -> str:
             f"the checkpoint path must be a str, bytes or os.PathLike (e.g. pathlib.Path), got "
             f"{type(path).__name__}"
         ) from None
-    return os.fsdecode(path)
+    path = os.fsdecode(path)
+    if "\0" in path:  # every os call would raise a bare "embedded null byte" ValueError
+        raise InvalidArgumentError(f"the checkpoint path {path!r} contains a NUL character, which no file name "
+                                   f"can hold")
+    return path
 
 
 #: A temporary file of a save with no process id in its name (written by an older

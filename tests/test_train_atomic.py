@@ -310,6 +310,15 @@ def test_a_state_for_other_shapes_is_refused():
     state = optim.setup(optim.Adam(0.1), {"w": np.zeros(1)})  # broadcastable against (3,)
     with pytest.raises(ad.ShapeMismatchError, match=r"path \('w',\).*shape \(1,\).*shape \(3,\).*optim.setup"):
         optim.update(state, {"w": np.zeros(3)}, {"w": np.ones(3)})
+    scalar = optim.setup(optim.Adam(0.1), {"w": np.zeros(())})  # 0-d moments broadcast against (3,) too
+    with pytest.raises(ad.ShapeMismatchError, match=r"shape \(\) and dtype float64.*shape \(3,\)"):
+        optim.update(scalar, {"w": np.zeros(3)}, {"w": np.ones(3)})
+    other_rule = optim.setup(optim.Momentum(0.1), {"w": np.zeros(3)})._replace(rule=optim.Adam(0.1))
+    with pytest.raises(ad.ShapeMismatchError, match="a state of another rule"):
+        optim.update(other_rule, {"w": np.zeros(3)}, {"w": np.ones(3)})
+    counted = optim.setup(optim.Adam(0.1), {"w": np.zeros(3)})
+    new, _ = optim.update(counted, {"w": np.zeros(3)}, {"w": np.ones(3)})  # the count leaf (a number) is accepted
+    assert new.tree["w"][2] == 1
     torch = pytest.importorskip("torch")
     m = torch.nn.Linear(2, 2)
     state = optim.setup(optim.Momentum(0.1), m)

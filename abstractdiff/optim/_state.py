@@ -320,23 +320,34 @@ def _frozen_leaves(state: OptState, paths: list[tuple]) -> set[int]:
     return {i for i, p in enumerate(paths) if state.frozen.covers(p)}
 
 
-def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str) -> str | None:
+def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str, counts: dict[int, tuple]) -> str | None:
     """What is wrong with ``st`` as ``rule``'s state for a parameter of ``shape`` and ``dtype``,
     or None.  The built-in rules keep arrays shaped and typed as their parameter
-    (``zeros_like``); a rule of the user's own may keep anything, so it is not checked.
-    Metadata only (shapes, dtype names): no array is read."""
+    (``zeros_like``) and Python numbers as counts (Adam's t); a rule of the user's own may
+    keep anything, so it is not checked.  Metadata only (shapes, dtype names): no array is
+    read.  ``counts`` memoises, per rule object, which of its state's leaves are counts."""
     if isinstance(rule, Chain):
         if not isinstance(st, tuple) or len(st) != len(rule.rules):
             return f"a state of another rule (the chain {rule!r} keeps one state per rule)"
-        return next((m for r, s in zip(rule.rules, st) if (m := _leaf_state_mismatch(r, s, shape, dtype))), None)
+        return next((m for r, s in zip(rule.rules, st) if (m := _leaf_state_mismatch(r, s, shape, dtype, counts))),
+                    None)
     if type(rule).__module__ != Rule.__module__:
         return None
     from .._arrays import dtype_name
 
-    for a in pytree.tree_leaves(st):
-        # a 0-d leaf is a count (Adam's t), traced as an array of the step's dtype in a compiled step
-        if is_array(a) and shape_of(a) != () and (shape_of(a) != shape or dtype_name(a) != dtype):
-            return f"an array of shape {shape_of(a)} and dtype {dtype_name(a)}"
+    if id(rule) not in counts:  # the rule's own state for a probe parameter: arrays where it keeps arrays
+        counts[id(rule)] = tuple(not is_array(a) for a in pytree.tree_leaves(rule.init(np.zeros(1))))
+    leaves, kept = pytree.tree_leaves(st), counts[id(rule)]
+    if len(leaves) != len(kept):
+        return f"a state of another rule ({len(leaves)} arrays or numbers, where {rule!r} keeps {len(kept)})"
+    for a, is_count in zip(leaves, kept):
+        # a count is a Python number, or a 0-d array of the step's dtype where a compiled step traced it
+        if is_count:
+            if is_array(a) and shape_of(a) != ():
+                return f"an array of shape {shape_of(a)} where {rule!r} keeps a count"
+        elif not is_array(a) or shape_of(a) != shape or dtype_name(a) != dtype:
+            return (f"an array of shape {shape_of(a)} and dtype {dtype_name(a)}" if is_array(a)
+                    else f"{type(a).__name__} {a!r} where {rule!r} keeps an array")
     return None
 
 
@@ -359,11 +370,12 @@ def _check_leaf_states(rule: Rule, xs: list[Any], states: list[Any], live: list[
     library error), training with another model's moments."""
     from .._arrays import dtype_name
 
+    counts: dict[int, tuple] = {}
     for i in live:
         x = xs[i]
         if not is_array(x):  # a Python float kept as one (numpy gradients): its state is 0-d
             continue
-        mismatch = _leaf_state_mismatch(rule, states[i], shape_of(x), dtype_name(x))
+        mismatch = _leaf_state_mismatch(rule, states[i], shape_of(x), dtype_name(x), counts)
         if mismatch is not None:
             raise ShapeMismatchError(
                 f"optim.update: the optimiser state of {where(i)} holds {mismatch}, but the parameter has shape "
