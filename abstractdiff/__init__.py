@@ -14,6 +14,7 @@ from __future__ import annotations
 from . import _operators, _prepare
 from ._backend import Backend
 from ._batch import Batch
+from ._cache import CacheInfo, cache_info, clear_caches
 from ._compose import differentiate_with
 from ._convert import to_numpy
 from ._errors import (
@@ -205,6 +206,9 @@ __all__ = [
     "UnknownBackendError",
     "available_backends",
     "backend",
+    "CacheInfo",
+    "cache_info",
+    "clear_caches",
     "differentiate_with",
     "register_backend",
     "register_pytree_node",

@@ -1,4 +1,4 @@
-"""The one cache utility, under one policy.
+"""The one cache utility, under one policy, and the registry users see it through.
 
 Every cache of abstractdiff (plans per user function, preparations and compiled artefacts
 per flat function, the training loop's bound loss functions, the implicit adapter's
@@ -8,9 +8,17 @@ the plan cache's table of functions is); lookups take no lock (one dict read is 
 once even when several threads ask for it.  :class:`LRU` is that map.  Caches keyed on user
 objects use :class:`WeakLRU`, the same map keyed by the objects' identity and holding them
 weakly: an entry leaves as soon as one of its objects is garbage collected, so a recycled
-``id`` can never find a stale entry.  What a cached value depends on besides those objects
-is keyed by :func:`value_key`, the one keying policy.  Each cache hangs off the object that
-owns it (a flat function's preparations and artefacts are the flat function's).
+``id`` can never find a stale entry.  A table whose keys are pure values and whose size is
+bounded by the program (a dtype, a code object) is a :class:`Memo`.  What a cached value
+depends on besides those objects is keyed by :func:`value_key`, the one keying policy.  Each
+cache hangs off the object that owns it (a flat function's preparations and artefacts are
+the flat function's).
+
+Every cache is registered under a name, with what it is keyed on and its bound, when it is
+made: :func:`cache_info` reports each name's entries, hits and misses (summed over its
+instances: one per flat function, per backend...), and :func:`clear_caches` empties them all
+(``ad.cache_info()`` and ``ad.clear_caches()``).  tests/test_caches.py scans the package for
+a cache made any other way.
 """
 
 from __future__ import annotations
@@ -22,16 +30,124 @@ import threading
 import types
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-__all__ = ["LRU", "WeakLRU", "array_fingerprint", "native_array_key", "static_key", "value_key"]
+__all__ = [
+    "LRU", "CacheInfo", "Memo", "WeakLRU", "array_fingerprint", "cache_info", "clear_caches", "native_array_key",
+    "static_key", "value_key",
+]
 
 _MISSING: Any = object()
+
+
+# ------------------------------------------------------------------ the registry
+class CacheInfo(NamedTuple):
+    """One registered cache, as :func:`cache_info` reports it.
+
+    ``name``: what it holds; ``keyed_on``: what its entries are keyed on (everything that
+    changes a cached result); ``size``: entries held now, over all its instances;
+    ``bound``: at most this many entries per instance, least recently used out first
+    (``None``: bounded by the lives of the objects in its keys, or by the program, for a
+    :class:`Memo`); ``instances``: live instances (one per flat function, per backend...);
+    ``hits`` and ``misses``: lookups since the process started or the last
+    :func:`clear_caches` (approximate where threads look up at once: the counters take no
+    lock).
+    """
+
+    name: str
+    keyed_on: str
+    size: int
+    bound: int | None
+    instances: int
+    hits: int
+    misses: int
+
+
+class _Registered:
+    """A registered cache's description and counters, shared by its instances."""
+
+    __slots__ = ("name", "keyed_on", "bound", "hits", "misses", "instances")
+
+    def __init__(self, name: str, keyed_on: str, bound: int | None):
+        self.name, self.keyed_on, self.bound = name, keyed_on, bound
+        self.hits = self.misses = 0
+        # id -> weak reference (not a WeakSet: a Memo, a dict, cannot be hashed)
+        self.instances: dict[int, weakref.ref] = {}
+
+    def add(self, cache: Any) -> None:
+        key, table = id(cache), self.instances
+        table[key] = weakref.ref(cache, lambda _ref: table.pop(key, None))
+
+    def live(self) -> list[Any]:
+        return [c for c in (r() for r in list(self.instances.values())) if c is not None]
+
+
+#: name -> its registration (the registry: a table of the caches, not a cache itself)
+_REGISTRY: dict[str, _Registered] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _register(cache: Any, name: str | None, keyed_on: str, bound: int | None) -> _Registered:
+    """``cache``'s registration under ``name``; ``name=None``: a table made with the cache
+    utility whose entries are state rather than cached results (an identity table: each
+    parameter's one box), counted but never reported or cleared."""
+    if not (isinstance(keyed_on, str) and keyed_on) or not (name is None or isinstance(name, str) and name):
+        raise TypeError("a cache is made with name= (a non-empty str, or None for a table that is not a cache) "
+                        "and keyed_on= (a non-empty str)")
+    if name is None:
+        return _Registered("(not a cache)", keyed_on, bound)
+    with _REGISTRY_LOCK:
+        registered = _REGISTRY.get(name)
+        if registered is None:
+            registered = _REGISTRY[name] = _Registered(name, keyed_on, bound)
+        elif (registered.keyed_on, registered.bound) != (keyed_on, bound):
+            raise ValueError(f"two caches registered as {name!r} with different keys or bounds: "
+                             f"{(registered.keyed_on, registered.bound)} and {(keyed_on, bound)}")
+        registered.add(cache)
+    return registered
+
+
+def cache_info() -> list[CacheInfo]:
+    """Every cache abstractdiff holds: its name, what it is keyed on, its size, bound,
+    instances, hits and misses (see :class:`CacheInfo`), in the order first made.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> _ = ad.gradient("finite_differences", lambda x: (x**2).sum(), np.ones(2))
+        >>> info = {c.name: c for c in ad.cache_info()}
+        >>> info["preparations"].keyed_on
+        'flat function; backend and options, operator, input shapes and dtypes'
+    """
+    with _REGISTRY_LOCK:
+        registered = list(_REGISTRY.values())
+    return [CacheInfo(r.name, r.keyed_on, sum(len(c) for c in live), r.bound, len(live), r.hits, r.misses)
+            for r in registered for live in (r.live(),)]
+
+
+def clear_caches() -> None:
+    """Empty every cache abstractdiff holds (as ``jax.clear_caches()`` does jax's) and reset
+    their counters.  Later calls plan, prepare and compile again: slower once, never
+    different.  The libraries' own caches (jax's jit cache, torch's compiled graphs) are
+    theirs to clear.
+
+    Example:
+        >>> import abstractdiff as ad, numpy as np
+        >>> _ = ad.gradient("finite_differences", lambda x: (x**2).sum(), np.ones(2))
+        >>> ad.clear_caches()
+        >>> sum(c.size for c in ad.cache_info())
+        0
+    """
+    with _REGISTRY_LOCK:
+        registered = list(_REGISTRY.values())
+    for r in registered:
+        for cache in r.live():
+            cache.clear()
+        r.hits = r.misses = 0
 
 
 class LRU(Generic[K, V]):
@@ -40,26 +156,29 @@ class LRU(Generic[K, V]):
     :meth:`get_or_build` builds a missing value once.
 
     Example:
-        >>> cache = LRU(2)
+        >>> cache = LRU(2, name="doctest: letters", keyed_on="a letter")
         >>> cache.put("a", 1); cache.put("b", 2); cache.get("a")
         1
         >>> cache.put("c", 3); sorted(cache.keys())  # "b" was the least recently used
         ['a', 'c']
     """
 
-    __slots__ = ("maxsize", "_entries", "_lock")
+    __slots__ = ("maxsize", "_entries", "_lock", "_registered", "__weakref__")
 
-    def __init__(self, maxsize: int | None):
+    def __init__(self, maxsize: int | None, *, name: str | None, keyed_on: str):
         self.maxsize = maxsize
         self._entries: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.RLock()
+        self._registered = _register(self, name, keyed_on, maxsize)
 
     def get(self, key: K, default: Any = None) -> Any:
         """The value of ``key`` (marked recently used), or ``default``."""
         entries = self._entries
         value = entries.get(key, _MISSING)
         if value is _MISSING:
+            self._registered.misses += 1
             return default
+        self._registered.hits += 1
         if self.maxsize is not None and len(entries) > 1:
             try:
                 entries.move_to_end(key)
@@ -82,7 +201,7 @@ class LRU(Generic[K, V]):
         if value is not _MISSING:
             return value
         with self._lock:
-            value = self._entries.get(key, _MISSING)
+            value = self._entries.get(key, _MISSING)  # built by another thread meanwhile
             if value is _MISSING:
                 value = build()
                 self.put(key, value)
@@ -140,7 +259,7 @@ class WeakLRU(Generic[V]):
 
     Example:
         >>> class Obj: pass
-        >>> cache = WeakLRU(maxsize=2)
+        >>> cache = WeakLRU(maxsize=2, name="doctest: objects", keyed_on="an object")
         >>> a = Obj()
         >>> cache.put((a,), "value of a")
         'value of a'
@@ -151,10 +270,11 @@ class WeakLRU(Generic[V]):
         0
     """
 
-    def __init__(self, maxsize: int | None = None, *, hold_unreferenceable: bool = False):
+    def __init__(self, maxsize: int | None = None, *, name: str | None, keyed_on: str,
+                 hold_unreferenceable: bool = False):
         self.maxsize = maxsize
         self.hold_unreferenceable = hold_unreferenceable
-        self._entries: LRU[Hashable, _Entry[V]] = LRU(maxsize)
+        self._entries: LRU[Hashable, _Entry[V]] = LRU(maxsize, name=name, keyed_on=keyed_on)  # (registered)
         self._lock = self._entries._lock
 
     @staticmethod
@@ -191,7 +311,8 @@ class WeakLRU(Generic[V]):
         if value is not None:
             return value
         with self._lock:
-            value = self.get(objects, extra)
+            entry = self._entries._entries.get(self.key(objects, extra))  # built by another thread meanwhile
+            value = None if entry is None else entry.value
             if value is None:
                 value = self.put(objects, build(), extra)
         return value
@@ -214,6 +335,34 @@ class WeakLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class Memo(dict):  # type: ignore[type-arg]
+    """A registered ``dict`` memoising a pure function of values the program has finitely
+    many of (a dtype, a code object, a module's name): unbounded, as the program bounds it,
+    and read at ``dict`` speed (its lookups are not counted: :class:`CacheInfo` reports 0).
+
+    Example:
+        >>> names = Memo(name="doctest: lengths", keyed_on="a word")
+        >>> names.setdefault("abc", 3), len(names)
+        (3, 1)
+    """
+
+    __slots__ = ("_registered", "__weakref__")
+
+    def __init__(self, *, name: str, keyed_on: str):
+        super().__init__()
+        self._registered = _register(self, name, keyed_on, None)
+
+    def add(self, key: Hashable) -> None:
+        """Record ``key`` as seen (a Memo used as a set of the keys met so far)."""
+        self[key] = True
+
+    def discard(self, key: Hashable) -> None:
+        self.pop(key, None)
+
+    def __repr__(self) -> str:
+        return f"Memo({self._registered.name!r}, {len(self)} entries)"
 
 
 # ------------------------------------------------------------------ the keying policy

@@ -283,13 +283,24 @@ _LOOSE_KINDS = frozenset(getattr(optree.PyTreeKind, n) for n in ("ORDEREDDICT", 
                          if hasattr(optree.PyTreeKind, n))
 
 
+_PLANS_KEPT = 4  # forms per loss function and backend (a last, smaller batch is a second form)
+
+
 class _Steps:
     """The compiled steps by their exact key (an LRU of :data:`CACHE_SIZE`), and the plans
     that reach them, per loss function (held weakly) and backend."""
 
     def __init__(self) -> None:
-        self._entries: LRU[Any, _Step] = LRU(CACHE_SIZE)
-        self._plans: WeakLRU[list] = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
+        self._entries: LRU[Any, _Step] = LRU(
+            CACHE_SIZE, name="compiled training steps",
+            keyed_on="backend, loss function, rule, model and batch structure, shapes and dtypes, captured values",
+        )
+        # the forms of steps seen per loss; ``_last`` is a look-ahead of it, checked by identity
+        self._plans: WeakLRU[list] = WeakLRU(
+            CACHE_SIZE, name="training step forms",
+            keyed_on=f"loss function (and model, implicit mode), backend; {_PLANS_KEPT} forms each",
+            hold_unreferenceable=True,
+        )
         self._last: tuple = ((), None, None, None)  # the last plans looked up (a loop's step)
         self._held: Any = None  # the last step's inputs, let go at the next dispatch (hold)
 
@@ -297,8 +308,8 @@ class _Steps:
         return len(self._entries)
 
     def clear(self) -> None:
-        self._entries = LRU(CACHE_SIZE)
-        self._plans = WeakLRU(CACHE_SIZE, hold_unreferenceable=True)
+        self._entries.clear()
+        self._plans.clear()
         self._last = ((), None, None, None)
         self._held = None
 
@@ -362,7 +373,6 @@ class _Steps:
 #: the elements of a step's model and state held until the next dispatch at most (1 MiB in float64)
 _HOLD_ELEMENTS = 1 << 17
 STEPS = _Steps()
-_PLANS_KEPT = 4  # forms per loss function and backend (a last, smaller batch is a second form)
 _flatten_known = optree.tree_flatten
 
 
@@ -387,24 +397,6 @@ def _to_front(plans: list, plan: _Plan, drop: bool = False) -> None:
         if not drop:
             plans.insert(0, plan)
             del plans[_PLANS_KEPT:]
-
-
-class CacheInfo(NamedTuple):
-    """What ``ad.train_step.cache_info()`` reports of the compiled steps (as ``functools.lru_cache``).
-
-    ``steps``: compiled steps held (each holds the library's executables: one per batch
-    shape, bounded by the library adapter); ``max_steps``: the bound, :data:`CACHE_SIZE`,
-    least recently used out first; ``plans_per_loss``: the forms remembered per loss
-    function (and model, in implicit mode), :data:`_PLANS_KEPT`."""
-
-    steps: int
-    max_steps: int
-    plans_per_loss: int
-
-
-def cache_info() -> CacheInfo:
-    """The compiled training steps' cache: its size and bounds (see :class:`CacheInfo`)."""
-    return CacheInfo(len(STEPS), CACHE_SIZE, _PLANS_KEPT)
 
 
 def _compiler(b: Any) -> Callable[..., Any] | None:

@@ -349,7 +349,10 @@ class DifferentiateWith:
         self.__abstractdiff_wrapped__ = f  # the stale-trace check looks through to f
         # kernels per input signature and argument values (the one keying policy); objects
         # keyed by identity are held weakly (a kernel holds its args while it is cached)
-        self._kernels: WeakLRU[ForeignKernel] = WeakLRU(maxsize=64)
+        self._kernels: WeakLRU[ForeignKernel] = WeakLRU(
+            maxsize=64, name="differentiate_with kernels",
+            keyed_on="the wrapped function, input shapes and dtypes, argument values (objects held weakly)",
+        )
 
     def __repr__(self) -> str:
         return f"differentiate_with({getattr(self.f, '__qualname__', self.f)!r}, {self.backend.name!r})"

@@ -136,7 +136,9 @@ class _Family:
         self.extra: list[weakref.ref] = []
         # keyed by the other boxes, held weakly: a dead box's id may be reused by a new
         # box, so its wrapper (and trace) goes with it
-        self.wrappers: WeakLRU[_Swapped] = WeakLRU(self.max_wrappers)
+        self.wrappers: WeakLRU[_Swapped] = WeakLRU(
+            self.max_wrappers, name="implicit wrappers", keyed_on="the other variables f read (held weakly)"
+        )
 
     def wrapper(self) -> _Swapped:
         extra = tuple(b for b in (r() for r in self.extra) if b is not None)
@@ -166,7 +168,9 @@ class _Family:
 # not depend on the inner backend (whose own plan cache keys on the wrapper), so a fresh
 # ad.Implicit(b) per step still reuses jax's compiled trace.  Dropped when f, its owner
 # (a bound method's self) or any variable dies.
-_FAMILIES: WeakLRU[_Family] = WeakLRU()
+_FAMILIES: WeakLRU[_Family] = WeakLRU(
+    name="implicit wrapper families", keyed_on="the user's function, its owner and its variables (held weakly)"
+)
 
 
 def _family_of(f: Callable[..., Any], owner: Any, variables: list[Any]) -> _Family | None:

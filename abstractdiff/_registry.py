@@ -14,7 +14,6 @@ import importlib.util
 import inspect
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -68,6 +67,8 @@ _BUILTIN: dict[str, _Entry] = {
 }
 
 _registry: dict[str, _Entry] = dict(_BUILTIN)
+# (name, options) -> the one backend made of them: not a cache (never cleared), since the
+# instance's identity is what ad.backend promises
 _instances: dict[Any, Backend] = {}
 _lock = threading.Lock()
 _entry_points_loaded = False
@@ -329,7 +330,9 @@ def _takes_option(factory: Callable[..., Any], option: str) -> bool:
 # type -> the backend owning objects of that type (None: numpy or unknown); cleared
 # whenever a backend is registered or created, so an unknown type is looked up again.
 # Weak: classes made at run time may die.
-_OWNERS: weakref.WeakKeyDictionary[type, Backend | None] = weakref.WeakKeyDictionary()
+_OWNERS: _cache.WeakLRU[tuple[Backend | None]] = _cache.WeakLRU(
+    name="backend of a type", keyed_on="an object's type (held weakly)", hold_unreferenceable=True
+)
 
 
 def owns(b: Backend, obj: Any) -> bool:
@@ -449,12 +452,11 @@ def backend_for(obj: Any) -> Backend | None:
         True
     """
     t = type(obj)
-    try:
-        return _OWNERS[t]
-    except KeyError:
-        pass
+    found = _OWNERS.get((t,))  # (owner,): the owner may be None
+    if found is not None:
+        return found[0]
     owner = _find_owner(obj)
-    _OWNERS[t] = owner
+    _OWNERS.put((t,), (owner,))
     return owner
 
 

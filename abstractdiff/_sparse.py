@@ -763,7 +763,7 @@ _SPARSE_PREPARED = {JacobianPrep.operator: SparsePreparedJacobian, HessianPrep.o
 
 #: Plan caches of ``Sparse`` backends, per cache key: equal backends share their plans (a
 #: new ``ad.Sparse("jax")`` per call would otherwise detect, color and compile again).
-_PLAN_CACHES: LRU[tuple, PlanCache] = LRU(32)
+_PLAN_CACHES: LRU[tuple, PlanCache] = LRU(32, name="Sparse plan tables", keyed_on="the Sparse backend's options")
 
 
 # ------------------------------------------------------------------ the backend

@@ -22,7 +22,7 @@ from . import optim
 from ._atomic import HeldInterrupts, restore, snapshot, untrained_state
 from ._backend import Backend
 from ._cache import WeakLRU
-from ._compiled_step import cache_info, compiled_train_step
+from ._compiled_step import compiled_train_step
 from ._convert import to_numpy
 from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
 from ._registry import backend as _get_backend
@@ -190,7 +190,10 @@ class _BoundCache:
     size = 8
 
     def __init__(self) -> None:
-        self._entries: WeakLRU[_Bound] = WeakLRU(self.size, hold_unreferenceable=True)
+        self._entries: WeakLRU[_Bound] = WeakLRU(
+            self.size, name="bound losses", keyed_on="loss function and model (held weakly)",
+            hold_unreferenceable=True,
+        )
 
     def get(self, loss_fn: Callable[..., Any], model: Any) -> _Bound:
         return self._entries.get_or_put((loss_fn, model), lambda: _Bound(loss_fn, model))
@@ -323,7 +326,6 @@ def train_step(
     return _train_step(loss_fn, model, batch, state, backend, distributed, None)
 
 
-train_step.cache_info = cache_info  # type: ignore[attr-defined]  # the compiled steps' cache and its bounds
 
 #: ``commit(state, model)``: the new pair handed over inside the step's assignment block
 _Commit = Callable[[optim.OptState, Any], None]

@@ -23,7 +23,7 @@ import numpy as np
 import optree
 
 from . import _pytree as pytree
-from ._cache import LRU, WeakLRU, static_key
+from ._cache import LRU, Memo, WeakLRU, static_key
 from ._captures import captures
 from ._errors import CollectedError, InvalidOutputError, NonDifferentiableInputError
 from ._operator_table import OPERATORS
@@ -35,7 +35,7 @@ DIFF, DATA, STATIC = 0, 1, 2
 PyTree = Any
 
 
-_FLOAT_DTYPES: dict[Any, bool] = {}
+_FLOAT_DTYPES: Memo = Memo(name="float dtypes", keyed_on="a library's dtype object")
 
 
 def is_float_dtype(dtype: Any) -> bool:
@@ -72,12 +72,13 @@ def is_array(obj: Any) -> bool:
     return hasattr(obj, "shape") and hasattr(obj, "dtype")
 
 
-_ARRAY_TYPES: set[type] = set()  # leaf types already seen to be arrays (not Python scalars)
+# leaf types already seen to be arrays (not Python scalars)
+_ARRAY_TYPES: Memo = Memo(name="array types", keyed_on="a leaf's type")
 
 
 #: Array types seen to be pytree leaves themselves (``x`` flattens to ``[x]``), for the fast
 #: path of :func:`flatten_call`; a type registered as a pytree node later leaves the set.
-_LEAF_ARRAY_TYPES: set[type] = set()
+_LEAF_ARRAY_TYPES: Memo = Memo(name="single-leaf array types", keyed_on="an input's type")
 _LEAF_TREEDEF = pytree.tree_structure(0.0)
 _NO_ARGS_TREEDEF = pytree.tree_structure(())
 #: The plan-cache key of f(x) with one float array x and no arguments, by has_aux.
@@ -134,7 +135,10 @@ class Artefacts:
 
     def __init__(self, operator: str):
         self.operator = operator
-        self._variants: LRU[Hashable, Any] = LRU(self.max_variants)
+        self._variants: LRU[Hashable, Any] = LRU(
+            self.max_variants, name="compiled artefacts",
+            keyed_on="flat function, backend and options, operator; x64 mode, device, input shapes and dtypes",
+        )
 
     def get(self, variant: Hashable, build: Callable[[], T]) -> T:
         return self._variants.get_or_build(variant, build)
@@ -268,7 +272,10 @@ class FlatFunction(HasArtefacts):
         self.has_aux = has_aux
         self._artefacts: dict[Any, Artefacts] = {}
         # (backend key, preparation class, input signature) -> Preparation (see Backend.preparation)
-        self._preparations: LRU[Any, Any] = LRU(MAX_PREPARATIONS)
+        self._preparations: LRU[Any, Any] = LRU(
+            MAX_PREPARATIONS, name="preparations",
+            keyed_on="flat function; backend and options, operator, input shapes and dtypes",
+        )
         # objects f reads that its plan key names by identity (see abstractdiff._captures)
         self._captured: list[Callable[[], Any]] = []
         # whether numpy arrays are the backend's own (autograd, PyTensor, finite differences):
@@ -369,7 +376,7 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return out
 
 
-_COMPLEX_DTYPES: dict[Any, bool] = {}
+_COMPLEX_DTYPES: Memo = Memo(name="complex dtypes", keyed_on="a library's dtype object")
 
 
 def is_complex_dtype(dtype: Any) -> bool:
@@ -574,12 +581,14 @@ class PlanCache:
         #: whether numpy arrays are native to the backend owning this cache (see check_output)
         self.numpy_native = numpy_native
         # function (and owner of a bound method), held weakly -> that function's plans
-        self._functions: WeakLRU[LRU[Any, FlatFunction]] = WeakLRU()
+        self._functions: WeakLRU[LRU[Any, FlatFunction]] = WeakLRU(
+            name="plans per function", keyed_on="the user's function (held weakly), backend kind"
+        )
         #: (id of a plain function, operator) -> ``(guard, call, ref)``, its hot call (see
         #: Backend._unprepared).  Every unprepared call reads it first, so it is a plain dict
         #: (a WeakLRU lookup costs a method call more); :meth:`set_hot` makes an entry leave
         #: with its function, as WeakLRU does, so that a recycled id never finds it.
-        self.hot_calls: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
+        self.hot_calls: Memo = Memo(name="hot calls", keyed_on="the user's function (its id, held weakly), operator")
         self._lock = threading.Lock()
 
     def set_hot(self, f: Callable[..., Any], operator: Hashable, guard: Any, call: Any) -> None:
@@ -600,7 +609,10 @@ class PlanCache:
         with self._lock:
             plans = self._functions.get(ident)
             if plans is None:  # not weak-referenceable (a builtin): put() keeps nothing
-                plans = self._functions.put(ident, LRU(self.max_per_function))
+                plans = self._functions.put(ident, LRU(
+                    self.max_per_function, name="plans",
+                    keyed_on="input structure, static leaves, dtypes, captured globals and closures",
+                ))
             if replaces is not None:
                 n = len(replaces)
                 for old in [k for k in plans.keys() if k[:n] == replaces and k != key]:

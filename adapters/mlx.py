@@ -281,8 +281,10 @@ class MLXParameter(HeldVariable):
         return new if isinstance(new, mx.array) else _from_numpy(np.asarray(new), old.dtype)
 
 
-# innermost module (held weakly) -> {path: MLXParameter}; an entry dies with its module
-_PARAMETERS: WeakLRU[dict] = WeakLRU()
+# innermost module (held weakly) -> {path: MLXParameter}; an entry dies with its module.  Not
+# a cache (name=None: never cleared): a parameter's box is its identity, which Params and
+# Grads hold.
+_PARAMETERS: WeakLRU[dict] = WeakLRU(name=None, keyed_on="an MLX module (held weakly)")
 
 
 def parameter(module: nn.Module, path: tuple, name: str) -> MLXParameter:

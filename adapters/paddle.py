@@ -654,15 +654,19 @@ class PaddleAdapter(Adapter):
         """
         y = rec.y
 
-        @functools.cache
-        def transposed() -> tuple[Any, list]:
-            u = _fresh(paddle.zeros_like(y))  # any value: J^T u is linear in u
-            return u, rec.grad([y], rec.leaves, [u], create_graph=True)
+        built: dict[str, Any] = {}  # each built once, by the first tangent that needs it
 
-        @functools.cache
+        def transposed() -> tuple[Any, list]:
+            if "transposed" not in built:
+                u = _fresh(paddle.zeros_like(y))  # any value: J^T u is linear in u
+                built["transposed"] = (u, rec.grad([y], rec.leaves, [u], create_graph=True))
+            return built["transposed"]
+
         def jacobian() -> list:
-            rows = [self.backend.complete(r, rec.leaves) for r in rec.rows(y, rec.nested)]
-            return [paddle.stack([r[k].reshape([-1]) for r in rows]) for k in range(len(rec.leaves))]
+            if "jacobian" not in built:
+                rows = [self.backend.complete(r, rec.leaves) for r in rec.rows(y, rec.nested)]
+                built["jacobian"] = [paddle.stack([r[k].reshape([-1]) for r in rows]) for k in range(len(rec.leaves))]
+            return built["jacobian"]
 
         def apply(route: str, ts: list) -> Any:
             if route == "jacobian":

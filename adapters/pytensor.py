@@ -77,6 +77,7 @@ from pytensor.tensor.variable import TensorConstant, TensorVariable
 
 from abstractdiff import _pytree as pytree
 from abstractdiff._arrays import check_scalar
+from abstractdiff._cache import Memo
 from abstractdiff._custom import mode_refusal
 from abstractdiff._errors import (
     ArgumentTypeError,
@@ -177,7 +178,8 @@ def _scans_in(mode: list) -> Any:
     return scan_in_mode
 
 
-_RUNNABLE: dict[int, tuple[Any, Mode]] = {}  # a resolved mode's id -> (it, it with the rewrites above)
+# a resolved mode's id -> (it, it with the rewrites above)
+_RUNNABLE: Memo = Memo(name="pytensor runnable modes", keyed_on="a resolved PyTensor mode (its id, checked)")
 
 
 def _runnable(mode: str | None) -> Any:

@@ -420,8 +420,13 @@ class TensorFlowAdapter(Adapter):
         # XLA keeps every executable it compiles until the process ends (about 1.2 MB a
         # step), and even plain graphs left about 0.16 MB a step.  A step that needs static
         # shapes (a Python int of x.shape) fails that trace and is traced per shape instead.
-        concrete: LRU[tuple, list] = LRU(_CONCRETE_PER_STEP)  # signature -> [concrete function, whether it ran]
-        merged: LRU[tuple, tuple] = LRU(_CONCRETE_PER_STEP)  # group lengths, dtypes, ranks -> merged shapes
+        concrete: LRU[tuple, list] = LRU(  # signature -> [concrete function, whether it ran]
+            _CONCRETE_PER_STEP, name="tensorflow compiled steps",
+            keyed_on="the step; group lengths, dtypes and shapes (past the bound: sizes that varied unknown)",
+        )
+        merged: LRU[tuple, tuple] = LRU(  # group lengths, dtypes, ranks -> merged shapes
+            _CONCRETE_PER_STEP, name="tensorflow step shapes seen", keyed_on="the step; group lengths, dtypes, ranks"
+        )
         past_bound: list[bool] = []  # (flags the closures set)
         needs_static_sizes: list[bool] = []
 

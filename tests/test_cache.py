@@ -13,7 +13,7 @@ class Obj:
 
 
 def test_entry_dies_with_any_of_its_objects():
-    cache: WeakLRU[str] = WeakLRU()
+    cache: WeakLRU[str] = WeakLRU(name="test: objects", keyed_on="objects")
     a, b = Obj(), Obj()
     cache.put((a, b), "ab")
     cache.put((a,), "a")
@@ -24,7 +24,7 @@ def test_entry_dies_with_any_of_its_objects():
 
 
 def test_bounded_least_recently_used_out_first():
-    cache: WeakLRU[int] = WeakLRU(maxsize=2)
+    cache: WeakLRU[int] = WeakLRU(maxsize=2, name="test: two objects", keyed_on="objects")
     objs = [Obj() for _ in range(3)]
     cache.put((objs[0],), 0)
     cache.put((objs[1],), 1)
@@ -34,16 +34,16 @@ def test_bounded_least_recently_used_out_first():
 
 
 def test_unreferenceable_objects_are_held_or_not_cached():
-    held: WeakLRU[str] = WeakLRU(hold_unreferenceable=True)
+    held: WeakLRU[str] = WeakLRU(name="test: objects", keyed_on="objects", hold_unreferenceable=True)
     key = {"a dict": "cannot be weakly referenced"}
     held.put((key,), "kept")
     assert held.get((key,)) == "kept"
-    skipped: WeakLRU[str] = WeakLRU()
+    skipped: WeakLRU[str] = WeakLRU(name="test: objects", keyed_on="objects")
     assert skipped.put((key,), "value") == "value" and len(skipped) == 0
 
 
 def test_extra_key_and_discard_value():
-    cache: WeakLRU[str] = WeakLRU()
+    cache: WeakLRU[str] = WeakLRU(name="test: objects", keyed_on="objects")
     a = Obj()
     cache.put((a,), "x", extra=1)
     cache.put((a,), "y", extra=2)
@@ -53,7 +53,7 @@ def test_extra_key_and_discard_value():
 
 
 def test_get_or_put_builds_once_under_threads():
-    cache: WeakLRU[object] = WeakLRU()
+    cache: WeakLRU[object] = WeakLRU(name="test: objects", keyed_on="objects")
     a = Obj()
     builds = []
     barrier = threading.Barrier(8)

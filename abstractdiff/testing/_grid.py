@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .._backend import Backend
+from .._cache import Memo
 from .._errors import BackendUnavailableError, UnknownBackendError
 from ._check import Report, backend_label, check_backend, compare_reports
 from ._scenarios import DTYPES, default_scenarios
@@ -26,7 +27,7 @@ DEVICE_RTOL = {"float32": 1e-5, "float64": 1e-10}
 
 # (label, device, dtype) -> Report, so that a later test in the same process (the
 # cross-backend comparison, a GPU-vs-CPU check) reuses results instead of recomputing.
-_REPORTS: dict[tuple[str, str, str, tuple[str, ...] | None], Report] = {}
+_REPORTS: Memo = Memo(name="testing: grid reports", keyed_on="backend label, device, dtype, scenarios")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._cache import Memo
 from ._scenarios import DTYPES, Scenario, _ar, _family, _rng, _tangent_like, _up
 
 __all__ = ["loop_scenarios"]
@@ -115,7 +116,7 @@ def _scan_summed(dt: str, fn: dict) -> Scenario:
 
 
 _BUILDERS = (_fori_loop, _scan_stacked, _scan_summed)
-_CACHE: dict[str, list[Scenario]] = {}
+_CACHE: Memo = Memo(name="testing: loop scenarios", keyed_on="dtype")
 
 
 def loop_scenarios(dtypes: str | Sequence[str] = DTYPES) -> list[Scenario]:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._cache import Memo
 from ._scenarios import DTYPES, Scenario, _ar, _family, _rng, _tangent_like, _up
 
 __all__ = ["REVERSE_OPERATORS", "FORWARD_OPERATORS", "rule_scenarios"]
@@ -196,7 +197,7 @@ def _ridge(dt: str, fn: dict) -> Scenario:
 
 
 _BUILDERS = (_rule_square, _rule_pytree, _softplus, _rule_jvp, _stopped, _ridge)
-_CACHE: dict[str, list[Scenario]] = {}
+_CACHE: Memo = Memo(name="testing: custom rule scenarios", keyed_on="dtype")
 
 
 def rule_scenarios(dtypes: str | Sequence[str] = DTYPES) -> list[Scenario]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import _pytree as pytree
+from .._cache import Memo
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._operator_table import OPERATORS as OPERATORS_TABLE
 from .._operator_table import operators_where
@@ -746,7 +747,7 @@ _BUILDERS: tuple[Callable[[str], Scenario], ...] = (
 DTYPES: tuple[str, ...] = ("float64", "float32")
 
 
-_CACHE: dict[str, list[Scenario]] = {}
+_CACHE: Memo = Memo(name="testing: default scenarios", keyed_on="dtype")
 
 
 def _family(dtypes: str | Sequence[str], cache: dict, build: Callable[[str], list]) -> list[Scenario]:
