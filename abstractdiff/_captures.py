@@ -24,6 +24,11 @@ What is compared:
   out or installed editable: any module whose file is outside the standard library and
   site-packages), so a helper reading a global is covered as well; a library's functions
   (installed packages) are compared by identity only;
+* the methods of the user's classes (defined in those same modules), reached as a class
+  (``Helpers.scale(x)``), an object of one (``scaled(x)`` runs ``Scaled.__call__``) or a
+  bound method (``step = model.step``): each method the class and its user base classes
+  define is followed as a helper, and which function each name holds is part of the key;
+  the object itself is compared by identity (its attributes: see below);
 * **the functions a rule calls**: an object that runs user functions on the user's
   behalf (``ad.custom_vjp``/``ad.custom_jvp`` functions call ``fun``, ``fwd``, ``bwd``,
   ``jvp``; ``ad.custom_root`` solvers their solver and optimality function) names them
@@ -60,7 +65,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._cache import array_fingerprint, native_array_key
+from ._cache import LRU, Memo, array_fingerprint, native_array_key
 
 __all__ = ["CaptureGuard", "CaptureWatch", "capture_guard", "captures"]
 
@@ -81,19 +86,22 @@ def _is_ours(module: str | None) -> bool:
     return module is not None and (module == "abstractdiff" or module.startswith("abstractdiff."))
 
 
-_USER_MODULES: dict[str, bool] = {}
+_USER_MODULES: Memo = Memo(name="user modules", keyed_on="a module's name")
+_LIBRARY_ROOTS: Memo = Memo(name="library paths", keyed_on="nothing (one entry, the interpreter's paths)")
 
 
-@functools.lru_cache(maxsize=1)
 def _library_roots() -> tuple[str, ...]:
     """Where installed packages and the standard library live (their functions are not the
     user's: compared by identity, not walked)."""
-    import os
-    import sysconfig
+    roots = _LIBRARY_ROOTS.get(None)
+    if roots is None:
+        import os
+        import sysconfig
 
-    paths = sysconfig.get_paths()
-    roots = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    return tuple(sorted(r + os.sep for r in roots))
+        paths = sysconfig.get_paths()
+        found = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        roots = _LIBRARY_ROOTS[None] = tuple(sorted(r + os.sep for r in found))
+    return roots
 
 
 def _is_user_module(name: str | None) -> bool:
@@ -183,13 +191,27 @@ def _value_key(
         and (module is _ANY_MODULE or _follows(getattr(value, "__module__", None), module))
     ):
         return ("function", id(value), _function_key(value, alive, depth + 1, seen, guard))
-    if isinstance(value, types.MethodType) and depth < _MAX_DEPTH and _members(value.__self__) is not None:
+    if isinstance(value, types.MethodType) and depth < _MAX_DEPTH and (
+        _members(value.__self__) is not None
+        # a bound method of one of the user's objects (``step = model.step``): the user's code
+        or _follows(getattr(value.__func__, "__module__", None), module)
+    ):
         alive.append(value)  # (held weakly by the plan: it names the method object by identity)
         return ("method", id(value), _function_key(value, alive, depth + 1, seen, guard))
     if depth < _MAX_DEPTH and not isinstance(value, type):
         members = _members(value)
         if members is not None:  # a custom rule, an implicit solver: the functions it calls
             return _rule_key(value, members, alive, depth + 1, seen, guard)
+    if depth < _MAX_DEPTH:
+        # one of the user's classes (``Helpers.scale(x)``, ``Model()``) or an object of one
+        # (``scaled(x)`` calling ``Scaled.__call__``): its methods are the user's helpers, and
+        # a global they read must be seen as one read by ``f`` (the object's own attributes
+        # are not: see the module docstring)
+        cls = value if isinstance(value, type) else type(value)
+        if _is_user_class(cls, module):
+            alive.append(value)
+            kind = "class" if cls is value else "object"
+            return (kind, id(value), _class_key(cls, alive, depth + 1, seen, guard))
     if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type):
         key = native_array_key(value)  # another library's array that can be written in place
         if key is not None:
@@ -201,8 +223,54 @@ def _value_key(
     return ("id", id(value))
 
 
-_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
-_ATTRIBUTES: dict[types.CodeType, tuple[tuple[str, str], ...]] = {}
+def _is_user_class(cls: type, module: Any) -> bool:
+    """Whether ``cls`` is a class of the user's code (defined in ``f``'s module or any other of
+    the user's: see :func:`_follows`), whose methods are walked as the user's helpers."""
+    owner = cls.__dict__.get("__module__")
+    return isinstance(owner, str) and _follows(owner, None if module is _ANY_MODULE else module)
+
+
+def _class_methods(cls: type) -> list[tuple[type, str, Any, Any]]:
+    """``(class, name, entry, function)`` for each method the user's classes in ``cls``'s MRO
+    define: plain methods, ``staticmethod``/``classmethod`` (their function) and a
+    ``property``'s getter; ``entry`` is what the class's ``__dict__`` holds under ``name`` (a
+    library base class, such as ``torch.nn.Module``, is not the user's: not walked)."""
+    out = []
+    for klass in cls.__mro__:
+        if not _is_user_module(klass.__dict__.get("__module__")) and klass is not cls:
+            continue
+        for name, entry in list(vars(klass).items()):
+            fn = entry
+            if isinstance(entry, (staticmethod, classmethod)):
+                fn = entry.__func__
+            elif isinstance(entry, property):
+                fn = entry.fget
+            if isinstance(fn, types.FunctionType):
+                out.append((klass, name, entry, fn))
+    return out
+
+
+def _class_key(cls: type, alive: list[Any], depth: int, seen: set[int], guard: CaptureGuard | None) -> tuple:
+    """The key of one of the user's classes: each method it defines (and its user base
+    classes define), walked as a helper; which function each name holds is part of the key
+    (a method replaced on the class is a change)."""
+    if id(cls) in seen:
+        return ()
+    seen.add(id(cls))
+    methods = _class_methods(cls)
+    if guard is not None:
+        guard._add_class(methods)
+    # a method's own module: the class's (walked as the user's code, see _is_user_class)
+    return tuple(
+        (name, id(entry), _function_key(fn, alive, depth, seen, guard)) for _klass, name, entry, fn in methods
+    )
+
+
+# bounded: code objects of functions made at run time
+_NAMES: LRU[types.CodeType, tuple[str, ...]] = LRU(4096, name="global names read", keyed_on="a code object")
+_ATTRIBUTES: LRU[types.CodeType, tuple[tuple[str, str], ...]] = LRU(
+    4096, name="module attributes read", keyed_on="a code object"
+)
 
 
 #: The instructions that read a global name (``co_names`` also holds attribute names:
@@ -227,9 +295,7 @@ def _code_attributes(code: types.CodeType) -> tuple[tuple[str, str], ...]:
             if isinstance(const, types.CodeType):
                 pairs |= set(_code_attributes(const))
         found = tuple(sorted(pairs))
-        if len(_ATTRIBUTES) > 4096:  # bounded, as _NAMES
-            _ATTRIBUTES.clear()
-        _ATTRIBUTES[code] = found
+        _ATTRIBUTES.put(code, found)
     return found
 
 
@@ -245,9 +311,7 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
             if isinstance(const, types.CodeType):
                 found |= set(_code_names(const))
         names = tuple(sorted(found))
-        if len(_NAMES) > 4096:  # bounded: code objects of functions made at run time
-            _NAMES.clear()
-        _NAMES[code] = names
+        _NAMES.put(code, names)
     return names
 
 
@@ -407,6 +471,12 @@ class CaptureGuard:
     def _add_native(self, value: Any, key: tuple) -> None:
         self._rest.append(("native", self._hold(value), key))
 
+    def _add_class(self, methods: list[tuple[type, str, Any, Any]]) -> None:
+        # which entry each of the class's method names holds (a method replaced on the class)
+        for klass, name, entry, _fn in methods:
+            self._hold(entry)
+            self._rest.append(("member", self._hold(klass), name, id(entry)))
+
     def _add_rule(self, value: Any, members: tuple) -> None:
         # the functions it names, by identity (held: a new function may not reuse an id)
         for m in members:
@@ -441,6 +511,10 @@ class CaptureGuard:
                 elif kind == "attribute":
                     module, attribute, ident = what
                     if id(getattr(module(), attribute, _ABSENT)) != ident:
+                        return False
+                elif kind == "member":
+                    klass, name, ident = what
+                    if id(vars(klass()).get(name, _ABSENT)) != ident:
                         return False
                 elif kind == "array":
                     if array_fingerprint(what[0]()) != what[1]:

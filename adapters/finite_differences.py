@@ -30,6 +30,7 @@ import numpy as np
 
 from abstractdiff._arrays import check_scalar
 from abstractdiff._backend import AdapterBackend
+from abstractdiff._cache import Memo
 from abstractdiff._custom import numerical_evaluation
 from abstractdiff._derived import GradientFunction
 from abstractdiff._errors import FiniteDifferenceAccuracyError, InvalidArgumentError, NonFiniteInputError
@@ -326,13 +327,22 @@ def _tangent_probe(fn: Callable, xs: list, data: list, ts: list, y: Any, tau: fl
     return evaluate
 
 
-@functools.lru_cache(maxsize=64)
 def _eps(dtype: np.dtype) -> float:
     return float(np.finfo(dtype).eps)
 
 
-@functools.lru_cache(maxsize=64)
+_TOLERANCES: Memo = Memo(name="finite-difference tolerances", keyed_on="input dtypes, f's dtype, order")
+
+
 def _tolerance(dtypes: tuple, value_dtype: np.dtype, order: int) -> _Tolerance:
+    key = (dtypes, value_dtype, order)
+    found = _TOLERANCES.get(key)
+    if found is None:
+        found = _TOLERANCES[key] = _computed_tolerance(dtypes, value_dtype, order)
+    return found
+
+
+def _computed_tolerance(dtypes: tuple, value_dtype: np.dtype, order: int) -> _Tolerance:
     """From the coarser of the inputs' and f's precision ``eps``.  Second order differences a
     first-order difference, whose values are known to its own accuracy, about eps**(4/5) of the
     largest (inner rounding and truncation); it is judged looser, as it is checked."""

@@ -67,6 +67,48 @@ class _Static:
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _Static and self.key == other.key
+
+
+class _Held:
+    """A residual leaf that is not a JAX value (a string, an options object in ``custom_root``'s
+    ``theta``), carried through ``jax.custom_vjp``'s residuals as static structure: jax
+    accepts only arrays and numbers as residual leaves and raised its own ``TypeError``
+    (``Argument 's' of type <class 'str'> is not a valid JAX type``), where the other
+    libraries carry such leaves as they are.  Equal by identity: the residuals of one call."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Held, lambda h: ((), h), lambda h, _: h)
+
+
+def _is_jax_value(leaf: Any) -> bool:
+    """Whether jax takes ``leaf`` as a residual leaf: one of its arrays (a tracer too), or a
+    numpy array or number of a numeric dtype."""
+    if isinstance(leaf, (jax.Array, bool, int, float, complex)):
+        return True
+    return isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "biufc"
+
+
+def _hold_static_residuals(forward: Callable, backward: Callable) -> tuple[Callable, Callable]:
+    """``(fwd, bwd)`` for ``jax.custom_vjp`` from a rule's: the residual leaves that are not
+    JAX values travel as :class:`_Held` structure, and ``bwd`` gets them back unchanged."""
+
+    def fwd(*inputs: Any) -> tuple:
+        out, residuals = forward(*inputs)
+        return out, jax.tree_util.tree_map(lambda a: a if _is_jax_value(a) else _Held(a), residuals)
+
+    def bwd(residuals: Any, ct: Any) -> Any:
+        given = jax.tree_util.tree_map(lambda a: a.value if type(a) is _Held else a, residuals,
+                                       is_leaf=lambda a: type(a) is _Held)
+        return backward(given, ct)
+
+    return fwd, bwd
+
+
 #: Prepared operators whose results are arrays only (no closures), which a jit can return.
 _DIRECT_OPERATORS = frozenset({
     "gradient", "value_and_gradient", "jacobian", "value_and_jacobian", "hessian", "value_gradient_and_hessian",
@@ -541,7 +583,7 @@ class JaxAdapter(Adapter):
             function.defjvp(rule.jvp)
         else:
             function = jax.custom_vjp(rule.value)
-            function.defvjp(rule.forward, rule.backward)
+            function.defvjp(*_hold_static_residuals(rule.forward, rule.backward))
         return function
 
     # ---------------------------------------------- fast derived operators

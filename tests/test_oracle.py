@@ -189,7 +189,6 @@ OPEN = {
     "mlx-second_derivative-ridge": "MLX second derivative through a dense-solve custom_root",
     "tensorflow-pullback-fori_float": "TensorFlow fori_loop from a Python float (float32 carry)",
     "tensorflow-jacobian-fori_array": "TensorFlow Sparse Jacobian through fori_loop",
-    "mlx-hvp-global_sin": "a global read through helpers the capture walk does not follow",
 }
 #: Backends whose drawn grid does not run in `make test` today (the long hunt runs them).
 NOT_DRAWN = {
