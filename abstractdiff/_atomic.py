@@ -30,7 +30,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable
 
-from ._implicit import model_state_variables, variable_owner
+from .core import model_state_variables, variable_owner
 
 __all__ = ["HeldInterrupts", "restore", "snapshot", "untrained_state"]
 

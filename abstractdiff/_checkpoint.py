@@ -29,12 +29,16 @@ from typing import Any
 import numpy as np
 
 from . import _checkpoint_format as fmt
-from . import _pytree as pytree
 from . import optim
-from ._convert import to_numpy
-from ._errors import ArgumentTypeError, CheckpointError, InvalidArgumentError
-from ._implicit import model_state_variables
-from ._tree import is_array
+from .core import (
+    ArgumentTypeError,
+    CheckpointError,
+    InvalidArgumentError,
+    is_array,
+    model_state_variables,
+    pytree,
+    to_numpy,
+)
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -342,7 +346,7 @@ def _read_checked(path: str, reader: Any, member: Any, entry: dict[str, Any], wh
 
 def _to_like(a: np.ndarray, like: Any) -> Any:
     """``a`` as an array of the same library and device as ``like`` (its adapter's ``asarray_like``)."""
-    from ._registry import backend_for
+    from .core import backend_for
 
     owner = backend_for(like)
     if owner is None:

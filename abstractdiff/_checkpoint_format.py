@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import CheckpointError
+from .core import CheckpointError
 
 META = "__abstractdiff__"
 #: The SHA-256 (hex) of the description's UTF-8 bytes: an npz member / a safetensors metadata key.

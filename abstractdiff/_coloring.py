@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InvalidArgumentError, ShapeMismatchError
+from .core import InvalidArgumentError, ShapeMismatchError
 
 __all__ = [
     "ORDERS",

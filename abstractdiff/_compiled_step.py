@@ -51,14 +51,20 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import optree
 
-from . import _pytree as pytree
 from . import optim
 from ._atomic import HeldInterrupts, untrained_state
-from ._cache import LRU, WeakLRU, value_key
-from ._captures import CaptureWatch
-from ._errors import InvalidArgumentError
-from ._implicit import model_variables
-from ._tree import _function_identity, _weak_callable, is_array
+from .core import (
+    LRU,
+    CaptureWatch,
+    InvalidArgumentError,
+    WeakLRU,
+    function_identity,
+    is_array,
+    model_variables,
+    pytree,
+    value_key,
+    weak_callable,
+)
 from .optim._rules import Chain, Rule
 from .optim._state import _check_set_up_for, _weak
 
@@ -357,7 +363,7 @@ class _Steps:
 
     def plans(self, loss_fn: Callable[..., Any], model: Any, lib: Any, implicit: bool) -> list:
         """The plans of this loss (and model, in implicit mode) on this backend, most recent first."""
-        objects = (*_function_identity(loss_fn), *((model,) if implicit else ()))
+        objects = (*function_identity(loss_fn), *((model,) if implicit else ()))
         last_refs, last_lib, last_implicit, plans = self._last  # held weakly
         if (last_lib is lib and last_implicit is implicit and len(last_refs) == len(objects)
                 and all(r() is o for r, o in zip(last_refs, objects))):
@@ -593,7 +599,7 @@ def _plan(b: Any, lib: Any, compiler: Callable, loss_fn: Callable[..., Any], bou
     kinds = [*m_kinds, *s_kinds, *b_kinds]
     slots = _scheduled_slots(state.rule)
     alive: list[Any] = []
-    identity = _function_identity(loss_fn)  # a bound method: its function and object (new per access)
+    identity = function_identity(loss_fn)  # a bound method: its function and object (new per access)
     key = (
         lib, tuple(map(id, identity)), implicit, dtype, whole_def, tuple(kinds),
         tuple(value_key(a, alive) for a, k in zip(leaves, kinds) if k == _STATIC),
@@ -681,7 +687,7 @@ def _body(b: Any, loss_fn: Callable[..., Any], bound: Any, model: Any, m_leaves:
     after the call (the library keeps a value read before an assignment as it was)."""
     import autoray as ar
 
-    loss_ref = _weak_callable(loss_fn)
+    loss_ref = weak_callable(loss_fn)
     bound_ref = _weak(bound) if bound is not None else None
     model_ref = _weak(model) if model is not None else None
     n_hyper, n_ints = len(slots), s_kinds.count(_SCALAR)

@@ -19,12 +19,8 @@ import math
 import os
 from typing import Any, Callable
 
-from . import _pytree as pytree
 from . import optim
-from ._convert import to_numpy
-from ._errors import ArgumentTypeError, DistributedError, InvalidArgumentError
-from ._registry import backend_for
-from ._tree import is_array
+from .core import ArgumentTypeError, DistributedError, InvalidArgumentError, backend_for, is_array, pytree, to_numpy
 
 __all__ = ["DataParallel", "shard_batch", "shard_rows"]
 
@@ -467,7 +463,7 @@ def model_variables(model: Any) -> list[tuple[str, Any]]:
     parameters (``optim.params_of(model)``'s order) first, then the ones the optimiser
     does not train, buffers (BatchNorm's running statistics) and frozen parameters, as
     its library's ``model_state`` lists them."""
-    from ._implicit import model_state_variables
+    from .core import model_state_variables
 
     params = list(optim.params_of(model))
     found = model_state_variables(model)

@@ -31,25 +31,37 @@ from typing import Any, Callable, Hashable, NamedTuple
 
 import numpy as np
 
-from ._arrays import ar, dtype_name, shape_of, size_of
-from ._backend import Backend
-from ._cache import LRU, value_key
-from ._captures import captures
-from ._convert import content_of
-from ._derived import GradientFunction, PackedInput
-from ._errors import (
+from ._sparsity import flat_hessian_sparsity, flat_jacobian_sparsity
+from .core import (
+    HOOKS,
+    LRU,
     ArgumentTypeError,
+    Backend,
     CustomRuleError,
+    FlatFunction,
+    GradientFunction,
+    HessianPrep,
     InvalidArgumentError,
+    JacobianPrep,
     ModeMismatchError,
+    PackedInput,
+    PlanCache,
+    Preparation,
+    PreparedHessian,
+    PreparedJacobian,
     ShapeMismatchError,
     SparsityPatternError,
+    approximates,
+    ar,
+    artefacts,
+    captures,
+    content_of,
+    dtype_name,
+    forwarded,
+    shape_of,
+    size_of,
+    value_key,
 )
-from ._hooks import HOOKS, approximates
-from ._prepare import HessianPrep, JacobianPrep, Preparation, PreparedHessian, PreparedJacobian
-from ._second_order import _forwarded
-from ._sparsity import flat_hessian_sparsity, flat_jacobian_sparsity
-from ._tree import FlatFunction, PlanCache, artefacts
 
 __all__ = ["Sparse", "SparseColors", "color_columns"]
 
@@ -895,11 +907,11 @@ _HOOKS_OF_INNER = (*HOOKS["arrays"], *HOOKS["devices"], *HOOKS["pytrees"], "one_
                    "complete_batched", "basis_chunks")
 for _name in (*[n for n in dir(Backend) if n.startswith("flat_")], *_HOOKS_OF_INNER):
     if _name not in Sparse.__dict__:
-        setattr(Sparse, _name, _forwarded(_name))
+        setattr(Sparse, _name, forwarded(_name))
 
 
 def _resolve(b: Any) -> Backend:
-    from ._registry import backend
+    from .core import backend
 
     if not isinstance(b, (str, Backend)):
         raise ArgumentTypeError(f"backend must be a backend name (such as 'jax') or a Backend, got {type(b).__name__}")

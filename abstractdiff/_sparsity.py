@@ -44,8 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _pytree as pytree
-from ._errors import SparsityDetectionError
+from .core import SparsityDetectionError, pytree
 
 __all__ = ["hessian_sparsity", "jacobian_sparsity", "through_custom_function"]
 
@@ -900,7 +899,7 @@ def flat_hessian_sparsity(fn: Callable[[list, list], tuple], xs: list, data: lis
     """The ``(n, n)`` boolean CSR pattern of scalar ``fn``'s Hessian at numpy leaves ``xs``."""
     y, trace = trace_flat(fn, xs, data, second_order=True)
     if y.size != 1:
-        from ._errors import NonScalarOutputError
+        from .core import NonScalarOutputError
 
         raise NonScalarOutputError(f"hessian_sparsity needs f to return a scalar, got shape {y.shape}")
     h = trace.hessian()
@@ -914,7 +913,7 @@ def flat_hessian_sparsity(fn: Callable[[list, list], tuple], xs: list, data: lis
 
 
 def _flat(f: Callable[..., Any], x: Any, args: tuple) -> tuple[Any, list, list]:
-    from ._registry import backend
+    from .core import backend
 
     b = backend("finite_differences")  # numpy leaves; it flattens f like every backend does
     return b.flatten(f, x, args)

@@ -17,18 +17,24 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from . import _pytree as pytree
 from . import optim
 from ._atomic import HeldInterrupts, restore, snapshot, untrained_state
-from ._backend import Backend
-from ._cache import WeakLRU
 from ._compiled_step import compiled_train_step
-from ._convert import to_numpy
-from ._errors import ArgumentTypeError, CollectedError, InvalidArgumentError, ModeMismatchError, NonFiniteError
-from ._registry import backend as _get_backend
-from ._scope import scope
-from ._tree import is_array
 from .callbacks import Callback, as_callbacks
+from .core import (
+    ArgumentTypeError,
+    Backend,
+    CollectedError,
+    InvalidArgumentError,
+    ModeMismatchError,
+    NonFiniteError,
+    WeakLRU,
+    is_array,
+    pytree,
+    scope,
+    to_numpy,
+)
+from .core import backend as _get_backend
 from .optim._state import _weak as _ref  # weak where the object allows it (see _BoundCache)
 
 if TYPE_CHECKING:
@@ -423,7 +429,7 @@ def _implicit_step(b: Backend, loss_fn: Callable[..., Any], model: Any, batch: t
     try:
         loss, grads = b.value_and_gradient(_BOUND.get(loss_fn, model), params, *batch)
         if distributed is not None:
-            from ._implicit import Grads
+            from .core import Grads
 
             loss, values = distributed.average(loss, [grads[p] for p in params], share)
             grads = Grads(params, values)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import ArgumentTypeError, InvalidArgumentError
+from .core import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from . import optim
@@ -130,7 +130,7 @@ def _name(obj: Any) -> str:
 # ------------------------------------------------------------------ EarlyStopping
 def _host_copy(value: Any) -> np.ndarray:
     """An independent numpy copy (``to_numpy`` of a CPU torch tensor shares its memory)."""
-    from ._convert import to_numpy
+    from .core import to_numpy
 
     return np.array(to_numpy(value), copy=True)
 
@@ -233,7 +233,7 @@ class EarlyStopping(Callback):
         return None
 
     def _keep(self, state: optim.OptState, model: Any) -> None:
-        from ._implicit import model_state_variables
+        from .core import model_state_variables
 
         self._best_state = state  # states are immutable: optim.update returns new ones
         if state.implicit:

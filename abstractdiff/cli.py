@@ -33,8 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ._operator_table import OPERATORS
-from ._registry import available_backends, unavailable_reason
+from .core import OPERATORS, available_backends, unavailable_reason
 
 DTYPES = ("float64", "float32")
 DEVICES = {"all": ("cpu", "gpu"), "cpu": ("cpu",), "gpu": ("gpu",)}

@@ -26,9 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import optim
-from ._convert import to_numpy
-from ._hooks import approximates
-from ._registry import backend, installed_backends
+from .core import approximates, backend, installed_backends, to_numpy
 
 __all__ = ["ParityResult", "ParitySummary", "RTOL", "mlp_init", "mlp_loss", "training_parity"]
 
@@ -85,7 +83,7 @@ def mlp_loss(model: Any, x: Any, y: Any) -> Any:
     """Mean squared error of the MLP; ``model`` holds arrays or variables (any backend)."""
     import autoray as ar
 
-    from ._implicit import current_values
+    from .core import current_values
 
     p = current_values(model)
     n = len([k for k in p if k.startswith("w")])
@@ -187,8 +185,7 @@ def run_one(name: str, mode: str, device: str, dtype: str, rule: optim.Rule, epo
 
     model: Any = mlp_init(dtype)
     if mode == "implicit":
-        from ._implicit import variables
-        from ._implicit_backend import Implicit
+        from .core import Implicit, variables
 
         b: Any = Implicit(name, device=device) if device != "cpu" else Implicit(name)
         model = variables(model, b)

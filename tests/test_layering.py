@@ -210,3 +210,35 @@ def test_the_cycle_check_finds_a_deferred_cycle(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import y\n")
     (pkg / "d.py").write_text("from . import c\n")
     assert import_cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+# ------------------------------------------------------------------ the package boundary
+#: The features built on the core: they import the public API (``abstractdiff``,
+#: ``abstractdiff.protocol``), the internal API (``abstractdiff.core``) and each other, never
+#: a private module of the core.
+FEATURES = ("_sparse", "_sparsity", "_coloring", "_train", "_compiled_step", "_checkpoint", "_checkpoint_format",
+            "_distributed", "_atomic", "parity", "callbacks", "cli", "optim", "testing")
+ALLOWED_FROM_FEATURES = {"abstractdiff", "abstractdiff.core", "abstractdiff.protocol"}
+
+
+def _feature_of(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) > 1 and parts[0] == "abstractdiff" and parts[1] in FEATURES
+
+
+def boundary_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} imports {d}" for m in sorted(graph) if _feature_of(m)
+            for d in sorted(graph[m]) if not (_feature_of(d) or d in ALLOWED_FROM_FEATURES)]
+
+
+def test_features_use_the_public_api_and_core_only() -> None:
+    """Sparse AD, training, testing and the CLI reach the core through abstractdiff.core."""
+    problems = boundary_violations(import_graph(CORE))
+    assert not problems, "a feature imports a private module of the core (export it from abstractdiff/core.py):\n" + \
+        "\n".join(problems)
+
+
+def test_the_boundary_check_finds_a_private_import() -> None:
+    graph = {"abstractdiff._train": {"abstractdiff._tree", "abstractdiff.core", "abstractdiff.optim._state"},
+             "abstractdiff._tree": {"abstractdiff._cache"}}
+    assert boundary_violations(graph) == ["abstractdiff._train imports abstractdiff._tree"]

@@ -8,7 +8,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from .._errors import ArgumentTypeError, InvalidArgumentError
+from ..core import ArgumentTypeError, InvalidArgumentError
 
 #: A hyperparameter that may be a schedule: a number, or a function of the step count.
 Hyper = float | Callable[[int], float]

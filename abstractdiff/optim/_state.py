@@ -8,16 +8,18 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .. import _pytree as pytree
-from .._arrays import shape_of
-from .._errors import (
+from ..core import (
     ArgumentTypeError,
     InvalidArgumentError,
     ModeMismatchError,
     ShapeMismatchError,
     UnknownVariableError,
+    is_array,
+    is_float_leaf,
+    pytree,
+    register_pytree_node,
+    shape_of,
 )
-from .._tree import is_array, is_float_leaf, register_pytree_node
 from ._rules import Chain, Rule
 
 #: A key path into the model tree: a tuple of dict keys, sequence indices and attribute
@@ -134,7 +136,7 @@ def _is_params(obj: Any) -> bool:
 
 
 def _is_variable(leaf: Any) -> bool:
-    from .._implicit import is_library_variable
+    from ..core import is_library_variable
 
     return is_library_variable(leaf)
 
@@ -143,7 +145,7 @@ def holds_variables(model: Any) -> bool:
     """Whether ``model`` is trained in place (implicit mode) rather than returned anew:
     ``ad.Params``, a model of a library (``nn.Module``, Keras...), or a pytree with
     variables among its leaves."""
-    from .._implicit import is_variable_or_model, model_variables
+    from ..core import is_variable_or_model, model_variables
 
     if _is_params(model):
         return True
@@ -153,21 +155,21 @@ def holds_variables(model: Any) -> bool:
 
 def params_of(model: Any) -> Any:
     """``ad.Params(model)`` (the model itself if it already is one)."""
-    from .._implicit import Params
+    from ..core import Params
 
     return model if _is_params(model) else Params(model)
 
 
 def read(var: Any) -> Any:
     """The current value of a variable, as an array outside any autodiff graph."""
-    from .._implicit import variable_owner
+    from ..core import variable_owner
 
     return variable_owner(var).read(var)
 
 
 def write(var: Any, value: Any) -> None:
     """Assign ``value`` to a variable in place (same shape and dtype)."""
-    from .._implicit import variable_owner
+    from ..core import variable_owner
 
     variable_owner(var).write(var, value)
 
@@ -178,7 +180,7 @@ def arithmetic_scope(leaves: Any) -> Any:
     :func:`abstractdiff.scope` over ``leaves`` (jax's x64 mode for float64 jax arrays, which
     would otherwise become float32); local, so no library's global configuration is ever
     changed.  A no-op for numpy."""
-    from .._scope import scope
+    from ..core import scope
 
     return scope(leaves)
 
@@ -206,7 +208,7 @@ def _leaf_for_state(x: Any) -> Any:
 def _like_gradient(a: Any, g: Any) -> Any:
     """A Python float or numpy leaf state as an array of ``g``'s library and device, so the
     rule computes where the gradient lives (numpy values stay numpy for numpy gradients)."""
-    from .._registry import backend_for
+    from ..core import backend_for
 
     owner = backend_for(g)
     if owner is None or not (isinstance(a, np.ndarray) or _is_python_float(a)):
@@ -215,7 +217,7 @@ def _like_gradient(a: Any, g: Any) -> Any:
 
 
 def _to_python_float(value: Any) -> float:
-    from .._convert import to_numpy
+    from ..core import to_numpy
 
     return float(to_numpy(value))
 
@@ -254,7 +256,7 @@ def setup(rule: Rule, model: Any) -> OptState:
 
 
 def _is_grads(obj: Any) -> bool:
-    from .._implicit import Grads
+    from ..core import Grads
 
     return isinstance(obj, Grads)
 
@@ -333,7 +335,7 @@ def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str, counts: 
                     None)
     if type(rule).__module__ != Rule.__module__:
         return None
-    from .._arrays import dtype_name
+    from ..core import dtype_name
 
     if id(rule) not in counts:  # the rule's own state for a probe parameter: arrays where it keeps arrays
         counts[id(rule)] = tuple(not is_array(a) for a in pytree.tree_leaves(rule.init(np.zeros(1))))
@@ -368,7 +370,7 @@ def _check_leaf_states(rule: Rule, xs: list[Any], states: list[Any], live: list[
     """Refuse a state whose arrays do not match the parameters they belong to: arithmetic
     would broadcast a state of another but compatible shape silently (or fail with a raw
     library error), training with another model's moments."""
-    from .._arrays import dtype_name
+    from ..core import dtype_name
 
     counts: dict[int, tuple] = {}
     for i in live:

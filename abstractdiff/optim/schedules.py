@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .._errors import InvalidArgumentError
+from ..core import InvalidArgumentError
 
 __all__ = ["Schedule", "constant", "cosine", "exponential", "linear", "piecewise", "warmup_cosine"]
 

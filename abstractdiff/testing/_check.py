@@ -16,12 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .. import _pytree as pytree
-from .._backend import Backend
-from .._convert import to_numpy
-from .._errors import InvalidArgumentError
-from .._hooks import approximates
-from .._tree import is_array, is_float_dtype
+from ..core import Backend, InvalidArgumentError, approximates, is_array, is_float_dtype, pytree, to_numpy
 from ._scenarios import COMBINED, OPERATORS, SECOND_ORDER, Scenario, default_scenarios, switching_scenarios
 
 __all__ = [
@@ -348,7 +343,7 @@ def _unchanged(before: Any, after_tree: Any) -> list[str]:
 
 
 def _call(b: Backend, s: Scenario, op: str, x: Any, args: tuple, tangent: Any, cotangent: Any) -> dict[str, Any]:
-    from .. import _operators as ops
+    import abstractdiff as ops
 
     f = s.f
     if op == "gradient":
@@ -391,7 +386,7 @@ def _call_prepared(
     b: Backend, s: Scenario, op: str, x: Any, args: tuple, tangent: Any, cotangent: Any
 ) -> dict[str, Any]:
     """``op`` through its ``prepare_*`` twin(s), prepared on ``(x, args)`` and called on them."""
-    from .. import _prepare as prep
+    import abstractdiff as prep
 
     f = s.f
     if op == "gradient":
@@ -508,9 +503,10 @@ def _implicit_run(
     state: dict,
 ) -> Result:
     """``op`` through the implicit adapter: x becomes variables, f reads them."""
-    from .. import _operators as ops
-    from .. import _prepare as prep
-    from .._implicit import Params, current_values, variables
+    import abstractdiff as ops
+    import abstractdiff as prep
+
+    from ..core import Params, current_values, variables
 
     tol = rtol if rtol is not None else default_rtol(b, s.dtype, op)
     problems: list[str] = []
@@ -636,7 +632,7 @@ def check_backend(
         >>> report.ok, report.failures
         (True, [])
     """
-    from .._registry import backend as get_backend
+    from ..core import backend as get_backend
 
     b = get_backend(b)
     scenarios_given = scenarios is not None
@@ -791,7 +787,7 @@ def compare_backends(
         >>> testing.compare_backends(["finite_differences", FiniteDifferencesBackend(step=1e-4)], scen).ok
         True
     """
-    from .._registry import backend as get_backend
+    from ..core import backend as get_backend
 
     bs = [get_backend(b) for b in backends]
     if len(bs) < 2:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 from autoray import numpy as anp
 
-from .._hooks import approximates
+from ..core import approximates
 
 __all__ = ["MODES", "TOLERANCES", "PairResult", "check_pair", "kernel", "outer_code", "reference"]
 

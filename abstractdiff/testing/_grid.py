@@ -14,9 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .._backend import Backend
-from .._cache import Memo
-from .._errors import BackendUnavailableError, UnknownBackendError
+from ..core import Backend, BackendUnavailableError, Memo, UnknownBackendError
 from ._check import Report, backend_label, check_backend, compare_reports
 from ._scenarios import DTYPES, default_scenarios
 
@@ -64,7 +62,7 @@ def requested_backends(config: Any = None) -> list[str]:
 
 def backend_names(config: Any = None) -> tuple[list[str], bool]:
     """``(names, required)``: the explicit backends to test and whether they were asked for."""
-    from .._registry import installed_backends
+    from ..core import installed_backends
 
     requested = requested_backends(config)
     if requested:
@@ -106,7 +104,7 @@ def load(case: Case) -> Backend:
             pytest.skip(f"{case.backend}: no GPU here (its devices: {', '.join(b.devices())})")
         b = ad.backend(case.backend, device=accelerators[0])
     if case.implicit:
-        from .._implicit_backend import Implicit
+        from ..core import Implicit
 
         b = Implicit(b)
     return b

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._cache import Memo
+from ..core import Memo
 from ._scenarios import DTYPES, Scenario, _ar, _family, _rng, _tangent_like, _up
 
 __all__ = ["loop_scenarios"]

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._errors import InvalidArgumentError
+from ..core import InvalidArgumentError
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {}
 

@@ -15,12 +15,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import _pytree as pytree
-from .._cache import Memo
-from .._errors import ArgumentTypeError, InvalidArgumentError
-from .._operator_table import OPERATORS as OPERATORS_TABLE
-from .._operator_table import operators_where
-from .._tree import is_array, is_float_dtype
+from ..core import OPERATORS as OPERATORS_TABLE
+from ..core import ArgumentTypeError, InvalidArgumentError, Memo, is_array, is_float_dtype, operators_where, pytree
 
 __all__ = [
     "COMBINED", "OPERATORS", "Scenario", "Switching", "default_scenarios", "scenario_names", "switching_scenarios",

@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .._arrays import shape_of
+from ..core import shape_of
 
 
 class SparseProblem(NamedTuple):

@@ -59,7 +59,7 @@ def test_custom_rules(agree_case: _grid.Case) -> None:
     ``ad.stop_gradient`` and ``ad.custom_root`` through the adapter's ``custom_rule`` hook."""
     import pytest
 
-    from abstractdiff._hooks import approximates
+    from abstractdiff.core import approximates
     from abstractdiff.testing import check_backend, rule_scenarios
 
     b = _grid.load(agree_case)
