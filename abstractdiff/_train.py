@@ -439,9 +439,11 @@ def _implicit_step(b: Backend, loss_fn: Callable[..., Any], model: Any, batch: t
             # each process's forward pass updated its own buffers (BatchNorm's running
             # statistics) from its own rows: rank 0's win, as in torch's DDP
             _broadcast_variables(distributed, others)
-            if commit is not None:
-                commit(new_state, model)
-                handed.append(True)
+            if commit is not None:  # handed over whole: an interrupt between the two would undo a handed pair
+                with HeldInterrupts() as held:
+                    commit(new_state, model)
+                    handed.append(True)
+                held.deliver()
     except BaseException:
         if not handed:  # the caller still holds the old pair: the model goes back to it
             with HeldInterrupts() as held:
