@@ -14,6 +14,7 @@ tapes then differentiate through it.  Fast routes: the gradient, the Jacobian (o
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import re
 from typing import Any, Callable, NoReturn, Sequence
@@ -275,6 +276,31 @@ def _typed(values: list, like: list) -> list:
     return [tf.cast(v, c.dtype) for v, c in zip(values, like)]  # tf.while_loop keeps the carry's dtypes
 
 
+def _weak(value: Any) -> bool:
+    """Whether ``value`` is a Python number (not a bool): jax's weakly typed value, whose dtype
+    is the one the loop's step gives it (``0.0 + x`` is float64 for a float64 ``x``)."""
+    return isinstance(value, (int, float, complex)) and not isinstance(value, bool)
+
+
+def _dtypes_settled(step: Callable[[list], list], carry: list) -> list:
+    """``carry`` as tensors, each Python number in it of the dtype one ``step`` makes of it.
+
+    A tf.while_loop keeps its carry's dtypes.  A carry that starts as a Python number
+    (``fori_loop(0, n, body, (0.0, x))``) takes its dtype from the step in jax (a weakly typed
+    value, promoted to the body's output dtype before the loop) and in the core's Python loop
+    (TensorFlow converts a Python number to the other operand's dtype): converted first,
+    ``0.0`` would be float32 and the step would add it to float64 tensors, which TensorFlow
+    does not promote.  So, as jax does, the step is traced once with the Python numbers as they
+    are, in a graph of its own that never runs (nothing of it reaches the caller's graph: not
+    a stateful op either), and the loop starts from them in the dtypes it gave them."""
+    if not any(map(_weak, carry)):
+        return [tf.convert_to_tensor(c) for c in carry]
+    probe = tf.function(lambda: [tf.convert_to_tensor(v) for v in step(list(carry))], autograph=False)
+    dtypes = [t.dtype for t in probe.get_concrete_function().structured_outputs]
+    return [tf.constant(np.asarray(c).astype(d.as_numpy_dtype)) if _weak(c) else tf.convert_to_tensor(c)
+            for c, d in zip(carry, dtypes)]
+
+
 def _in_while_body() -> bool:
     """Whether ops are being built into a tf.while_loop's body (the innermost graph or one it
     is nested in)."""
@@ -286,11 +312,39 @@ def _in_while_body() -> bool:
     return False
 
 
+# pfor (tf.vectorized_map, our batched forward mode) cannot vectorise the forward mode of a
+# tf.while_loop built in another one's body: the accumulators of the inner loop's gradient lose
+# their handle data in the outer loop's ("ValueError: Required handle data not set", TensorFlow
+# 2.x).  So under it only one of two nested loops is a tf.while_loop, the other the core's
+# Python loop, which pfor vectorises op by op: an inner ad.fori_loop or ad.scan runs as one
+# (_graph_loop); an inner ad.while_loop, which needs a loop, asks the ad.fori_loop or ad.scan
+# it is in to run as one (_ENCLOSING), and raises where it is in no such loop.
+#: Set while our batched forward mode (tf.vectorized_map over a ForwardAccumulator) traces f.
+_VECTORIZED_FORWARD = contextvars.ContextVar("abstractdiff_tensorflow_vectorized_forward", default=False)
+#: While an ad.fori_loop or ad.scan builds its tf.while_loop: a list that an ad.while_loop in its
+#: body appends to, asking it to run as a Python loop instead (under _VECTORIZED_FORWARD).
+_ENCLOSING: contextvars.ContextVar[list | None] = contextvars.ContextVar("abstractdiff_tensorflow_loop", default=None)
+
+
 def _graph_loop(leaves: list) -> bool:
     # eagerly, and under two differentiations at once (a ForwardAccumulator cannot go through
     # tf.while_loop's gradient), the core's Python loop, which the tapes record as it runs
     tensors = [v for v in leaves if tf.is_tensor(v)]
-    return not tf.executing_eagerly() and pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes(tensors) < 2
+    if tf.executing_eagerly() or pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes(tensors) >= 2:
+        return False
+    return not (_VECTORIZED_FORWARD.get() and _in_while_body())  # nested, vectorised: see above
+
+
+def _bounded_while(build: Callable[[], Any]) -> Any:
+    """``_forward_while(build)`` for ad.fori_loop and ad.scan, or NotImplemented (the core's
+    Python loop) where an ad.while_loop in the body asked for it (see _ENCLOSING)."""
+    inner: list = []
+    token = _ENCLOSING.set(inner)
+    try:
+        out = _forward_while(build)
+    finally:
+        _ENCLOSING.reset(token)
+    return NotImplemented if inner else out
 
 
 def _write(stack: Any, i: Any, y: Any) -> Any:
@@ -321,21 +375,24 @@ def _forward_while(build: Callable[[], Any]) -> Any:
 
 
 class _Loops:
-    """ad.fori_loop, ad.scan and ad.while_loop as one tf.while_loop in a graph (tf.function)."""
+    """ad.fori_loop, ad.scan and ad.while_loop as one tf.while_loop in a graph (tf.function);
+    a carry that starts as a Python number takes the dtype the step gives it (_dtypes_settled)."""
 
     def fori_loop(self, lower: int, upper: int, body: Callable, init: list) -> Any:
         if not _graph_loop(init):
             return NotImplemented
-        loop = (tf.constant(lower), [tf.convert_to_tensor(c) for c in init])
+        first = tf.constant(lower)
+        loop = (first, _dtypes_settled(lambda c: body(first, c), init))
         step = lambda i, c: (i + 1, _typed(body(i, list(c)), c))  # noqa: E731
-        out = _forward_while(lambda: tf.while_loop(lambda i, _: i < upper, step, loop,
+        out = _bounded_while(lambda: tf.while_loop(lambda i, _: i < upper, step, loop,
                                                    maximum_iterations=upper - lower))
         return out if out is NotImplemented else out[1]
 
     def scan(self, f: Callable, init: list, xs: list, length: int) -> Any:
         if not _graph_loop(init + xs):
             return NotImplemented
-        init, xs = [tf.convert_to_tensor(c) for c in init], [tf.convert_to_tensor(x) for x in xs]
+        xs = [tf.convert_to_tensor(x) for x in xs]
+        init = _dtypes_settled(lambda c: f(c, [x[0] for x in xs])[0], init)
         first, ys = f(init, [x[0] for x in xs])  # step 0 outside the loop: it tells ys' dtypes and shapes
         first, ys = _typed(first, init), [tf.convert_to_tensor(y) for y in ys]
         # A TensorArray's handle has no tangent, so forward mode (a ForwardAccumulator: ours or
@@ -350,7 +407,7 @@ class _Loops:
             return i + 1, _typed(new, c), [_write(a, i, v) for a, v in zip(arrays, y)]
 
         loop = (tf.constant(1), first, arrays)
-        out = _forward_while(lambda: tf.while_loop(lambda i, *_: i < length, step, loop,
+        out = _bounded_while(lambda: tf.while_loop(lambda i, *_: i < length, step, loop,
                                                    maximum_iterations=length - 1))
         if out is NotImplemented:
             return out  # the core's Python loop, step 0 again
@@ -360,7 +417,19 @@ class _Loops:
     def while_loop(self, cond: Callable, body: Callable, init: list) -> Any:
         if tf.executing_eagerly():
             return NotImplemented
-        init = [tf.convert_to_tensor(c) for c in init]
+        if _VECTORIZED_FORWARD.get() and _in_while_body():  # see _ENCLOSING
+            enclosing = _ENCLOSING.get()
+            if enclosing is None:
+                raise LoopDerivativeError(
+                    "TensorFlow cannot vectorise the forward-mode derivative of ad.while_loop inside another "
+                    "while loop's body (tf.vectorized_map, which batched forward mode and ad.Sparse's products "
+                    "use, fails on the nested loops' gradient: 'Required handle data not set'). Make one of the "
+                    "two loops an ad.fori_loop or ad.scan with a bound (it then runs as a traced Python loop), "
+                    "or use ad.backend('tensorflow', compile=False)"
+                )
+            enclosing.append(True)
+        init = _dtypes_settled(body, init)
+        token = _ENCLOSING.set(None)  # a while_loop in this one's body cannot ask it to unroll
         try:
             return tf.while_loop(lambda c: cond(list(c)), lambda c: (_typed(body(list(c)), c),), (init,))[0]
         except _UNBUILDABLE as err:  # see _forward_while; a Python loop needs cond's value
@@ -371,6 +440,8 @@ class _Loops:
                 "ad.fori_loop or ad.scan with a bound (they run as a traced Python loop then), reverse mode, or "
                 "ad.backend('tensorflow', compile=False)"
             ) from err
+        finally:
+            _ENCLOSING.reset(token)
 
 
 #: Compiled functions kept per step function (one per signature: group lengths, dtypes, shapes).
@@ -640,9 +711,13 @@ class TensorFlowAdapter(Adapter):
 
     def _batched_jvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
         def jvp(ts: list) -> Any:
-            with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
-                y, _ = self._call(fn, xs, data)
-            return acc.jvp(y, unconnected_gradients=_ZERO)
+            token = _VECTORIZED_FORWARD.set(True)  # nested loops unrolled: see _graph_loop
+            try:
+                with tf.autodiff.ForwardAccumulator(xs, ts) as acc:
+                    y, _ = self._call(fn, xs, data)
+                return acc.jvp(y, unconnected_gradients=_ZERO)
+            finally:
+                _VECTORIZED_FORWARD.reset(token)
 
         return tf.vectorized_map(jvp, ts), None
 

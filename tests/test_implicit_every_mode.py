@@ -57,15 +57,22 @@ OPEN: dict[tuple[str, str, str], str] = {
 SLOW = {("jax", "sqrt", "third"): "about 3 minutes", ("pytensor", "sqrt", "third"): "about 4 minutes"}
 
 
+def _slow(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not os.environ.get("ABSTRACTDIFF_SLOW_TESTS"),
+                              reason=f"right but slow ({reason}): set ABSTRACTDIFF_SLOW_TESTS=1 to run it")
+
+
+def _exact_but_slow_on(slow: dict[str, str]) -> list:
+    """EXACT, with the backends of ``slow`` (name -> why) run only with ABSTRACTDIFF_SLOW_TESTS=1."""
+    return [pytest.param(n, marks=_slow(slow[n])) if n in slow else n for n in EXACT]
+
+
 def _open(name: str, problem: str, mode: str) -> pytest.MarkDecorator | None:
     reason = OPEN.get((name, problem, mode))
     if reason is not None:
         return pytest.mark.xfail(strict=True, reason=f"open (issue 45): {reason}")
     slow = SLOW.get((name, problem, mode))
-    if slow is not None:
-        return pytest.mark.skipif(not os.environ.get("ABSTRACTDIFF_SLOW_TESTS"),
-                                  reason=f"right but slow ({slow}): set ABSTRACTDIFF_SLOW_TESTS=1 to run it")
-    return None
+    return None if slow is None else _slow(slow)
 
 
 def _refusal(name: str, problem: str, mode: str) -> str | None:
@@ -187,7 +194,8 @@ def test_custom_root_is_right_or_refused_in_every_mode(name: str, problem: str, 
 
 
 # --------------------------------------------------------------- a DEQ layer, against jax
-@pytest.mark.parametrize("name", EXACT)
+# PyTensor rewrites the 40 unrolled solver steps' graph for about a minute
+@pytest.mark.parametrize("name", _exact_but_slow_on({"pytensor": "about a minute"}))
 def test_the_hessian_of_a_deq_layer_in_its_bias(name: str) -> None:
     """x = tanh(W x + b) by the default (matrix-free) solve: its Hessian in b against jax's of
     the converged iteration (was wrong on mlx, nan on tensorflow and torch)."""
@@ -345,7 +353,7 @@ def test_a_pytree_solution(name: str) -> None:
     np.testing.assert_allclose(np.asarray(ad.to_numpy(g), dtype=float), a**-0.5, rtol=1e-10)
 
 
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name", _exact_but_slow_on({"pytensor": "about 40 s"}))
 def test_the_hessian_of_a_cube_of_a_root(name: str) -> None:
     """sqrt(a)**3 at 9 (its second derivative 0.25): compiled jax gave nan (found by an attack)."""
     b = _backend(name)

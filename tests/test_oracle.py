@@ -187,8 +187,6 @@ def test_draw_is_seeded_and_varied() -> None:
 #: it into a failure, to be removed from here).
 OPEN = {
     "mlx-second_derivative-ridge": "MLX second derivative through a dense-solve custom_root",
-    "tensorflow-pullback-fori_float": "TensorFlow fori_loop from a Python float (float32 carry)",
-    "tensorflow-jacobian-fori_array": "TensorFlow Sparse Jacobian through fori_loop",
 }
 #: Backends whose drawn grid does not run in `make test` today (the long hunt runs them).
 NOT_DRAWN = {
