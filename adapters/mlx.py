@@ -65,7 +65,11 @@ disk in ``$TMPDIR/mlx``; the conformance grid took 268 s cold, against 0.5 s eag
 compiled trace freezes what ``f`` reads from globals and closures (the core keys its plans
 on them, ``reuses_traces``), but not an in-place update of a captured array (``W[0] = 1``
 keeps the array's identity): pass such arrays as arguments.  Control flow on traced values
-fails there with :class:`~abstractdiff.TracedControlFlowError`.
+fails there with :class:`~abstractdiff.TracedControlFlowError`.  MLX 0.32's own
+``mx.linalg.solve`` of a 1x1 float64 system corrupts the heap when compiled (its LU kernel
+records its output's size in bytes, not elements; see ``_solve_value`` in
+:mod:`abstractdiff.portable.mlx`): the portable ``linalg.solve`` (autoray's numpy interface,
+``custom_root(solve="dense")``) routes around it, a call of ``mx.linalg.solve`` itself does not.
 """
 
 from __future__ import annotations
@@ -561,8 +565,8 @@ class MLXAdapter(Adapter):
         return op
 
     def custom_rule(self, rule: Any) -> Callable[..., tuple]:
-        if rule.stops_gradient:  # ad.stop_gradient
-            return lambda *inputs: tuple(map(mx.stop_gradient, inputs))
+        if rule.stops_gradient:  # ad.stop_gradient; a numpy leaf beside MLX arrays is a constant already
+            return lambda *inputs: tuple(mx.stop_gradient(a) if isinstance(a, mx.array) else a for a in inputs)
         # The backward recomputes rule.forward from the primals MLX hands it (the traced
         # inputs under an outer transform), so that the residuals depend on the inputs in
         # the graph a second derivative differentiates; the value alone costs rule.value.

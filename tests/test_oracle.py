@@ -186,12 +186,9 @@ def test_draw_is_seeded_and_varied() -> None:
 #: Saved cases that still fail today, each an open bug of issue 45 (xfail, strict: a fix turns
 #: it into a failure, to be removed from here).
 OPEN = {
-    "mlx-second_derivative-ridge": "MLX second derivative through a dense-solve custom_root",
 }
 #: Backends whose drawn grid does not run in `make test` today (the long hunt runs them).
-NOT_DRAWN = {
-    "mlx": "open (issue 45): MLX crashes the process on a compiled second derivative through custom_root",
-}
+NOT_DRAWN: dict[str, str] = {}
 #: Drawn grids with a known open failure at this seed (xfail, strict).
 OPEN_DRAWN: dict[str, str] = {}
 

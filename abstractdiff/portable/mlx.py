@@ -162,7 +162,26 @@ def _as_matrix(b: Any) -> tuple[Any, bool]:
     return (b[..., None], True) if b.ndim == 1 else (b, False)
 
 
-_solve = mx.custom_function(lambda a, b: mx.linalg.solve(a, b, stream=mx.cpu))
+def _solve_value(a: Any, b: Any) -> Any:
+    """``a x = b`` by MLX's solve, but a 1x1 system (batched or not) by ``tri_inv(a) @ b``.
+
+    MLX's LUF kernel (0.32: ``luf.cpp`` passes ``lu.nbytes()`` to ``set_data`` as the data
+    size, which counts elements) gives its LU output 8 times its element count (float64; 4
+    times for float32): a kernel that reads it as one contiguous block runs past its buffer,
+    and writes past it where it reuses that buffer for its output.  In ``mx.linalg.solve``
+    the LU goes only to ``tril``/``triu``, which take the contiguous path only where the LU
+    is row- and column-contiguous at once, a single 1x1 matrix, and only fused by
+    ``mx.compile``: a compiled float64 solve of a 1x1 system corrupted the heap
+    (``corrupted size vs. prev_size``, segfaults; every run in 300 calls, none for 2x2 to
+    5x5, batched, or eagerly), the custom_root of a scalar under ``compile=True``.  A 1x1
+    system is what LU reduces it to, ``L = 1``, ``U = a``: the same value, and the same
+    error for a zero ``a`` ("triangular inversion failed"), without the LUF kernel."""
+    if a.shape[-1] == 1:
+        return mx.linalg.tri_inv(a, upper=True, stream=mx.cpu) @ b
+    return mx.linalg.solve(a, b, stream=mx.cpu)
+
+
+_solve = mx.custom_function(_solve_value)
 
 
 @_solve.vjp
