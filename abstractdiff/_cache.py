@@ -34,6 +34,8 @@ from typing import Any, Callable, Generic, Hashable, Iterator, NamedTuple, TypeV
 
 import numpy as np
 
+from ._errors import ArgumentTypeError, InvalidArgumentError
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
@@ -97,8 +99,8 @@ def _register(cache: Any, name: str | None, keyed_on: str, bound: int | None) ->
     utility whose entries are state rather than cached results (an identity table: each
     parameter's one box), counted but never reported or cleared."""
     if not (isinstance(keyed_on, str) and keyed_on) or not (name is None or isinstance(name, str) and name):
-        raise TypeError("a cache is made with name= (a non-empty str, or None for a table that is not a cache) "
-                        "and keyed_on= (a non-empty str)")
+        raise ArgumentTypeError("a cache is made with name= (a non-empty str, or None for a table that is not a "
+                                "cache) and keyed_on= (a non-empty str)")
     if name is None:
         return _Registered("(not a cache)", keyed_on, bound)
     with _REGISTRY_LOCK:
@@ -106,7 +108,7 @@ def _register(cache: Any, name: str | None, keyed_on: str, bound: int | None) ->
         if registered is None:
             registered = _REGISTRY[name] = _Registered(name, keyed_on, bound)
         elif (registered.keyed_on, registered.bound) != (keyed_on, bound):
-            raise ValueError(f"two caches registered as {name!r} with different keys or bounds: "
+            raise InvalidArgumentError(f"two caches registered as {name!r} with different keys or bounds: "
                              f"{(registered.keyed_on, registered.bound)} and {(keyed_on, bound)}")
         registered.add(cache)
     return registered

@@ -54,7 +54,10 @@ OPEN: dict[tuple[str, str, str], str] = {
 
 #: Cells that are right but take minutes (third order through the default BiCGSTAB builds a
 #: graph of thousands of nodes, which jax and PyTensor compile): run with ABSTRACTDIFF_SLOW_TESTS=1.
-SLOW = {("jax", "sqrt", "third"): "about 3 minutes", ("pytensor", "sqrt", "third"): "about 4 minutes"}
+SLOW = {("jax", "sqrt", "third"): "about 3 minutes", ("pytensor", "sqrt", "third"): "about 4 minutes",
+        # the same second derivatives as the hessian cell, through other routes: about 20 s each
+        ("pytensor", "sqrt", "prepared_hessian"): "about 20 s", ("pytensor", "sqrt", "hvp"): "about 20 s",
+        ("jax", "sqrt", "prepared_hessian"): "about 10 s", ("jax", "sqrt", "hvp"): "about 8 s"}
 
 
 def _slow(reason: str) -> pytest.MarkDecorator:
