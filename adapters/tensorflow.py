@@ -484,57 +484,29 @@ class TensorFlowAdapter(Adapter):
         # gradients of concatenate, pad and tf.while_loop), so forward over reverse (a sparse
         # Hessian's products) raises a LookupError there and works in a plain graph.
         # Once more signatures than the cache holds have been seen (a step cycling through
-        # many batch shapes), new ones are traced once for every shape they share, as plain
-        # graphs: each dimension that has differed between the signatures of the same group
-        # lengths, dtypes and ranks is left unknown (tf.function's reduce_retracing does the
-        # same), so cycling shapes reuse one graph.  Retracing per shape grew the process:
-        # XLA keeps every executable it compiles until the process ends (about 1.2 MB a
-        # step), and even plain graphs left about 0.16 MB a step.  A step that needs static
-        # shapes (a Python int of x.shape) fails that trace and is traced per shape instead.
+        # many batch shapes), new ones are plain graphs: XLA keeps every executable it
+        # compiled until the process ends, so each evicted and retraced XLA function grew the
+        # process (about 1.2 MB a step), while a plain graph is freed with its function.  Each
+        # shape keeps its own exact trace: a graph of unknown sizes (tf.function's
+        # reduce_retracing) would be shared, but a loss that reads a size in Python
+        # (`if x.shape[0] == 5`) would silently compute something else in it.
         concrete: LRU[tuple, list] = LRU(  # signature -> [concrete function, whether it ran]
             _CONCRETE_PER_STEP, name="tensorflow compiled steps",
-            keyed_on="the step; group lengths, dtypes and shapes (past the bound: sizes that varied unknown)",
+            keyed_on="the step; group lengths, dtypes and shapes",
         )
-        merged: LRU[tuple, tuple] = LRU(  # group lengths, dtypes, ranks -> merged shapes
-            _CONCRETE_PER_STEP, name="tensorflow step shapes seen", keyed_on="the step; group lengths, dtypes, ranks"
-        )
-        past_bound: list[bool] = []  # (flags the closures set)
-        needs_static_sizes: list[bool] = []
+        xla = [True]
 
-        def relaxed_concrete(sizes: tuple, flat: list, shapes: tuple) -> list:
-            """A plain graph for every signature of ``shapes`` (``None``: any size), or, where
-            the step cannot be traced so (it needs a static size), for ``flat``'s exact shapes."""
-            try:
-                return [self._concrete(step, sizes, flat, False, shapes), True]
-            except Exception:  # noqa: BLE001 - traced again for the exact shapes, which says what is wrong
-                needs_static_sizes.append(True)
-                return self._traced_concrete(step, sizes, flat, xla=False)
-
-        def generalised(sizes: tuple, key: tuple) -> tuple:
-            """``key``'s shapes with every dimension unknown that has differed in this form."""
-            form = (sizes, tuple((len(shape), dtype) for shape, dtype in key[1]))
-            shapes = tuple(shape for shape, _ in key[1])
-            seen = merged.get(form, shapes)
-            shapes = tuple(tuple(d if d == e else None for d, e in zip(a, b)) for a, b in zip(seen, shapes))
-            merged.put(form, shapes)
-            return shapes
+        def build(sizes: tuple, flat: list) -> list:
+            if len(concrete) >= _CONCRETE_PER_STEP:
+                xla[0] = False
+            return self._traced_concrete(step, sizes, flat, xla[0])
 
         def run(*groups: Any) -> Any:
             sizes = tuple(len(g) if isinstance(g, list) else -1 for g in groups)
             flat = [a if isinstance(a, tf.Tensor) else tf.convert_to_tensor(a)
                     for g in groups for a in (g if isinstance(g, list) else (g,))]
             key = (sizes, signature(flat))
-            entry = concrete.get(key)
-            if entry is None:
-                shapes = generalised(sizes, key)
-                if len(concrete) < _CONCRETE_PER_STEP and not past_bound:
-                    entry = concrete.get_or_build(key, lambda: self._traced_concrete(step, sizes, flat))
-                elif needs_static_sizes:
-                    entry = concrete.get_or_build(key, lambda: self._traced_concrete(step, sizes, flat, xla=False))
-                else:
-                    past_bound[:] = [True]
-                    relaxed = (sizes, tuple(zip(shapes, (dtype for _, dtype in key[1]))))
-                    entry = concrete.get_or_build(relaxed, lambda: relaxed_concrete(sizes, flat, shapes))
+            entry = concrete.get_or_build(key, lambda: build(sizes, flat))
             try:  # (the call's public form would re-parse its arguments)
                 out = entry[0]._call_flat(flat, entry[0].captured_inputs)
             except tf.errors.OpError:  # XLA cannot compile it (a real error is raised again below)
@@ -564,15 +536,14 @@ class TensorFlowAdapter(Adapter):
         except Exception as err:
             _raise_ours(err, traced=True)
 
-    def _concrete(self, step: Callable, sizes: tuple, flat: list, xla: bool, shapes: tuple | None = None) -> Any:
+    def _concrete(self, step: Callable, sizes: tuple, flat: list, xla: bool) -> Any:
         bounds = np.cumsum([0, *(n if n >= 0 else 1 for n in sizes)]).tolist()
 
         def traced(*flat: Any) -> Any:
             with tf.device(self.tf_device):  # baked into the graph at trace time
                 return step(*(list(flat[a:b]) if n >= 0 else flat[a] for n, a, b in zip(sizes, bounds, bounds[1:])))
 
-        specs = (map(tf.TensorSpec.from_tensor, flat) if shapes is None
-                 else (tf.TensorSpec(shape, a.dtype) for shape, a in zip(shapes, flat)))
+        specs = map(tf.TensorSpec.from_tensor, flat)
         return tf.function(traced, autograph=False, jit_compile=xla).get_concrete_function(*specs)
 
     # ---------------------------------------------------------------- devices
