@@ -316,6 +316,9 @@ def test_a_state_for_other_shapes_is_refused():
     other_rule = optim.setup(optim.Momentum(0.1), {"w": np.zeros(3)})._replace(rule=optim.Adam(0.1))
     with pytest.raises(ad.ShapeMismatchError, match="a state of another rule"):
         optim.update(other_rule, {"w": np.zeros(3)}, {"w": np.ones(3)})
+    chained = optim.setup(optim.chain(optim.ClipNorm(1.0), optim.Adam(0.1)), {"w": np.zeros(3)})
+    with pytest.raises(ad.ShapeMismatchError, match="a state of another rule"):  # Adam's 3 leaves, nested deeper
+        optim.update(chained._replace(rule=optim.Adam(0.1)), {"w": np.zeros(3)}, {"w": np.ones(3)})
     counted = optim.setup(optim.Adam(0.1), {"w": np.zeros(3)})
     new, _ = optim.update(counted, {"w": np.zeros(3)}, {"w": np.ones(3)})  # the count leaf (a number) is accepted
     assert new.tree["w"][2] == 1

@@ -327,7 +327,8 @@ def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str, counts: 
     or None.  The built-in rules keep arrays shaped and typed as their parameter
     (``zeros_like``) and Python numbers as counts (Adam's t); a rule of the user's own may
     keep anything, so it is not checked.  Metadata only (shapes, dtype names): no array is
-    read.  ``counts`` memoises, per rule object, which of its state's leaves are counts."""
+    read.  ``counts`` memoises, per rule object, which of its state's leaves are counts and
+    how many nodes its state has."""
     if isinstance(rule, Chain):
         if not isinstance(st, tuple) or len(st) != len(rule.rules):
             return f"a state of another rule (the chain {rule!r} keeps one state per rule)"
@@ -338,9 +339,13 @@ def _leaf_state_mismatch(rule: Rule, st: Any, shape: tuple, dtype: str, counts: 
     from ..core import dtype_name
 
     if id(rule) not in counts:  # the rule's own state for a probe parameter: arrays where it keeps arrays
-        counts[id(rule)] = tuple(not is_array(a) for a in pytree.tree_leaves(rule.init(np.zeros(1))))
-    leaves, kept = pytree.tree_leaves(st), counts[id(rule)]
-    if len(leaves) != len(kept):
+        probe = rule.init(np.zeros(1))
+        counts[id(rule)] = (tuple(not is_array(a) for a in pytree.tree_leaves(probe)),
+                            pytree.tree_structure(probe).num_nodes)
+    leaves, (kept, nodes) = pytree.tree_leaves(st), counts[id(rule)]
+    # the nesting too (a chain's state of the same leaves is another rule's), not the
+    # containers' types: a state rebuilt by a library may hold lists where init made tuples
+    if len(leaves) != len(kept) or pytree.tree_structure(st).num_nodes != nodes:
         return f"a state of another rule ({len(leaves)} arrays or numbers, where {rule!r} keeps {len(kept)})"
     for a, is_count in zip(leaves, kept):
         # a count is a Python number, or a 0-d array of the step's dtype where a compiled step traced it
