@@ -132,7 +132,14 @@ class Interrupter:
         if frame.f_code is self.inside and event in ("call", "return"):
             self.depth += 1 if event == "call" else -1
             return
-        if self.depth and not self.fired and event in ("call", "c_call"):
+        # Python calls only: an exception from a profile hook at a "c_call" event cancels the C
+        # call, which a real signal never does, and the normal exit of `with lock:` is such a
+        # call (lock.__exit__), outside the block's handler: it leaked a lock of jax's
+        # (functools.cached_property's, shared by every instance), and later jax calls from
+        # other threads of this worker waited for it forever.  A real SIGINT is raised at
+        # checkpoints such as a Python function's entry, which "call" events model; not at the
+        # entry of an __exit__ (a context manager's, contextlib's), which would leak the same way.
+        if self.depth and not self.fired and event == "call" and frame.f_code.co_name != "__exit__":
             self.count += 1
             if self.at is not None and self.count >= self.at:
                 self.fired = True
