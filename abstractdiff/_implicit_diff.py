@@ -229,6 +229,7 @@ class _ImplicitSolver:
         self.solve = solve
         self.what = what
         functools.update_wrapper(self, solver)
+        self._adjoint: _ImplicitSolver | None = None  # the adjoint solve (_adjoint_solve), made on first use
         # one function object for the pullbacks and pushforwards: the backend's plans are keyed on it
         # the operators differentiate functions of one array output: the residuals raveled
         # in x's pytree order (one equation per unknown), one function object each, for the
@@ -331,8 +332,36 @@ class _ImplicitSolver:
         def matvec(u: Any) -> Any:  # (dF/dx)^T u
             return flat.ravel(vjp(u)[0])
 
-        u, poison = self._linear_solution(matvec, flat.ravel(ct))
+        # u by the adjoint solve, a custom function itself (jax's custom_linear_solve): a second
+        # derivative differentiates this rule, and through the linear solver's iterations that
+        # is not the derivative of (dF/dx)^-T ct where the solver stops early on an exact
+        # answer (BiCGSTAB solves a dF/dx with k distinct eigenvalues in k steps: derivatives
+        # of 2e-3 off, where the iterate's derivative has not converged)
+        adjoint = self._adjoint_solve()
+        u, poison = self._linear_solution(matvec, flat.ravel(ct), lambda _, b: adjoint(b * 0, x, theta, b))
         return self._negated(vjp(u)[1], poison)
+
+    def _adjoint_solve(self) -> _ImplicitSolver:
+        """``solve(init, x, theta, b) -> u`` with ``(dF/dx)^T u = b`` at ``(x, theta)``: the linear
+        solve as an implicit solver of its own, of ``G(u, x, theta, b) = (dF/dx)^T u - b``, so its
+        derivatives in ``x``, ``theta`` and ``b`` come from the implicit function theorem (one
+        more linear solve each, with ``dG/du = (dF/dx)^T``), never from the solver's iterations.
+        Made on first use: a third derivative makes the adjoint solve's own, and so on."""
+        if self._adjoint is None:
+            from ._operators import pullback
+
+            def residual(u: Any, x: Any, theta: tuple, b: Any) -> Any:  # G(u, x, theta, b)
+                vjp = pullback(current_backend(), self._residual, (x, theta))
+                return _Flat(x).ravel(vjp(u)[0]) - b
+
+            def solve(init: Any, x: Any, theta: tuple, b: Any) -> Any:
+                x, theta, b = stop_gradient((x, theta, b))  # differentiated implicitly, not here
+                vjp = pullback(current_backend(), self._residual, (x, theta))
+                flat = _Flat(x)
+                return self.solve(lambda u: flat.ravel(vjp(u)[0]), b)
+
+            self._adjoint = _ImplicitSolver(solve, residual, self.solve, self.what)
+        return self._adjoint
 
     def _x_tangent(self, x: Any, theta: tuple, theta_dot: tuple) -> Any:
         """``dx* = -(dF/dx)^-1 (dF/dtheta) dtheta`` at ``(x, theta)``: forward mode."""

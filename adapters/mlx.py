@@ -65,7 +65,10 @@ disk in ``$TMPDIR/mlx``; the conformance grid took 268 s cold, against 0.5 s eag
 compiled trace freezes what ``f`` reads from globals and closures (the core keys its plans
 on them, ``reuses_traces``), but not an in-place update of a captured array (``W[0] = 1``
 keeps the array's identity): pass such arrays as arguments.  Control flow on traced values
-fails there with :class:`~abstractdiff.TracedControlFlowError`.  MLX 0.32's own
+fails there with :class:`~abstractdiff.TracedControlFlowError`.  Where MLX's compiler itself
+fails on a function that runs eagerly (MLX 0.32 raises ``IndexError: _Map_base::at`` on some
+second derivatives through custom functions), that input signature runs uncompiled
+(:class:`_CompiledOrEager`): the same values, at eager speed.  MLX 0.32's own
 ``mx.linalg.solve`` of a 1x1 float64 system corrupts the heap when compiled (its LU kernel
 records its output's size in bytes, not elements; see ``_solve_value`` in
 :mod:`abstractdiff.portable.mlx`): the portable ``linalg.solve`` (autoray's numpy interface,
@@ -353,6 +356,41 @@ def _from_numpy(a: np.ndarray, dtype: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
+class _CompiledOrEager:
+    """``mx.compile(fn)``, but ``fn`` itself for the input signatures MLX's compiler fails on.
+
+    MLX 0.32's compiler fails on some graphs that run right eagerly: a second derivative
+    (``mx.vjp`` of an ``mx.vjp``) through ``mx.custom_function`` kernels (the portable float64
+    ``sin``), of a function computing the same subexpression twice, comes out of its
+    simplification passes with a tape that ``compile_replace`` cannot map, and the call raises
+    C++'s ``out_of_range`` as ``IndexError: _Map_base::at``.  The compiled trace is only an
+    optimisation of ``fn``: ``fn`` run as it is (under the caller's transforms and stream) is
+    the same function, so it gives the result instead.  The failing entry stays in MLX's compile
+    cache, so its signature (shapes and dtypes) runs eagerly from then on; other signatures are
+    still compiled.  An ``IndexError`` of ``fn``'s own is raised again by its eager run."""
+
+    __slots__ = ("fn", "compiled", "eager")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn, self.compiled, self.eager = fn, mx.compile(fn), set()
+
+    def __call__(self, *args: Any) -> Any:
+        if self.eager and _signature_of(args) in self.eager:
+            return self.fn(*args)
+        try:
+            return self.compiled(*args)
+        except IndexError:  # how MLX's bindings raise the compiler's C++ out_of_range
+            out = self.fn(*args)
+            self.eager.add(_signature_of(args))
+            return out
+
+
+def _signature_of(args: tuple) -> tuple:
+    """What MLX's compile cache keys a call on: the arrays' shapes and dtypes (other leaves by type)."""
+    leaves = [v for _, v in tree_flatten(list(args))]
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, mx.array) else type(a) for a in leaves)
+
+
 class _Traced:
     """``fn`` as MLX's transforms take it: arrays in, arrays out.
 
@@ -479,7 +517,7 @@ class MLXAdapter(Adapter):
 
     def _compiler(self, step: Callable, assigns_variables: bool = False) -> Callable | None:
         # arrays are values: implicit mode's variables are assigned in Python, op by op
-        compiled, native = mx.compile(step), lambda a: self.from_numpy(a) if isinstance(a, np.ndarray) else a
+        compiled, native = _CompiledOrEager(step), lambda a: self.from_numpy(a) if isinstance(a, np.ndarray) else a
         arg = lambda a: list(map(native, a)) if type(a) is list else native(a)  # noqa: E731
         return None if assigns_variables else lambda *args: self._call(compiled, *map(arg, args))
 
@@ -624,7 +662,7 @@ class MLXAdapter(Adapter):
 
         def make() -> tuple[Callable, _Traced]:
             traced = _Traced(self, fn, scalar)
-            return mx.compile(build(traced)), traced
+            return _CompiledOrEager(build(traced)), traced
 
         # mx.compile retraces per input shapes and dtypes itself; the device is an option of
         # the backend (part of the store's key) and is baked into the trace

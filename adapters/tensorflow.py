@@ -131,6 +131,35 @@ def _gradients(tape: tf.GradientTape, y: Any, xs: list, dy: Any = None) -> list:
     return [_dense(g) for g in tape.gradient(y, xs, output_gradients=dy, unconnected_gradients=_ZERO)]
 
 
+#: How many custom rules (ad.custom_vjp, ad.custom_root...) have been recorded on tapes so far: a
+#: Jacobian whose function recorded one is taken row by row where it is differentiated again
+#: (see _jacobian_of)
+_RULES_RECORDED = [0]
+
+
+def _jacobian_of(tape: tf.GradientTape, y: Any, x: Any, rules_before: int) -> Any:
+    """``tape.jacobian(y, x)`` (zeros where unconnected), pfor-vectorised, or row by row (the
+    tape must then be persistent) where that would be silently wrong: when the Jacobian is
+    differentiated again (a tape or an accumulator outside ``tape`` watches ``y``: call this after
+    leaving ``tape``'s context) and ``y``'s function recorded
+    a custom rule since ``rules_before``.  pfor rewrites each op that depends on the row
+    index into a plain op, and the IdentityN of a custom gradient (``tf.custom_gradient`` in a
+    graph, how a rule's outputs are differentiated there) loses its gradient override: a rule
+    called in a backward on the cotangent (ad.custom_root's adjoint solve, a custom_vjp whose
+    bwd calls another) is differentiated through its forward value there, not by its rule (a
+    third derivative of 0 where the rule stops the forward's gradient).  The loop costs one
+    backward pass per element of ``y``."""
+    n = y.shape.num_elements()
+    if _RULES_RECORDED[0] == rules_before or n is None or not _differentiated(y):
+        return tape.jacobian(y, x, unconnected_gradients=_ZERO)
+    sources = x if isinstance(x, list) else [x]
+    eye = tf.reshape(tf.eye(n, dtype=y.dtype), [n, *y.shape])
+    rows = [_gradients(tape, y, sources, eye[i]) for i in range(n)]  # rows[i][k]: d y_i / d sources[k]
+    out = [tf.reshape(tf.stack([row[k] for row in rows]) if n else tf.zeros([0], s.dtype),
+                      y.shape.concatenate(s.shape)) for k, s in enumerate(sources)]
+    return out if isinstance(x, list) else out[0]
+
+
 def _implicit_output(out: Any) -> Any:
     y = check_output(out)
     return y if tf.is_tensor(y) else tf.constant(np.asarray(y))
@@ -672,12 +701,19 @@ class TensorFlowAdapter(Adapter):
 
     def _batched_vjp(self, fn: Any, xs: list, data: list, dys: list) -> tuple:
         # one tape, its gradient vectorised over the batch by pfor (tape.jacobian's own route)
+        rules = _RULES_RECORDED[0]
         with tf.GradientTape(persistent=True) as tape:
             y, _ = self._call(fn, _watched(tape, xs), data)
 
         def vjp(dy: Any) -> list:
             return _gradients(tape, y, xs, dy)
 
+        n = dys[0].shape[0]
+        if _RULES_RECORDED[0] != rules and n is not None and (_differentiated(y) or _differentiated(dys[0])):
+            # one pullback at a time, where pfor would be silently wrong (see _jacobian_of)
+            rows = [vjp(dys[0][i]) for i in range(n)]
+            return [tf.stack([row[k] for row in rows]) if n else tf.zeros([0, *x.shape], x.dtype)
+                    for k, x in enumerate(xs)], None
         return tf.vectorized_map(vjp, dys[0]), None
 
     def _batched_jvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
@@ -693,25 +729,28 @@ class TensorFlowAdapter(Adapter):
         return tf.vectorized_map(jvp, ts), None
 
     def _jacobian(self, fn: Any, xs: list, data: list) -> tuple:
-        with tf.GradientTape() as tape:
+        rules = _RULES_RECORDED[0]
+        with tf.GradientTape(persistent=True) as tape:  # persistent: see _jacobian_of
             y, _ = self._call(fn, _watched(tape, xs), data)
-        return (y, tape.jacobian(y, xs, unconnected_gradients=_ZERO)), None
+        return (y, _jacobian_of(tape, y, xs, rules)), None
 
     def _jacobian_only(self, fn: Any, xs: list, data: list) -> tuple:
         # what a prepared jacobian needs: no value, and one source rather than a list of one
-        with tf.GradientTape() as tape:
+        rules = _RULES_RECORDED[0]
+        with tf.GradientTape(persistent=True) as tape:  # persistent: see _jacobian_of
             y, _ = self._call(fn, _watched(tape, xs), data)
         if len(xs) == 1:
-            return [tape.jacobian(y, xs[0], unconnected_gradients=_ZERO)], None
-        return tape.jacobian(y, xs, unconnected_gradients=_ZERO), None
+            return [_jacobian_of(tape, y, xs[0], rules)], None
+        return _jacobian_of(tape, y, xs, rules), None
 
     def _hessian(self, fn: Any, xs: list, data: list) -> tuple:
-        with tf.GradientTape() as outer:
+        rules = _RULES_RECORDED[0]
+        with tf.GradientTape(persistent=True) as outer:  # persistent: see _jacobian_of
             with tf.GradientTape() as inner:
                 y, _ = self._call(fn, _watched(inner, _watched(outer, xs)), data)
                 _check_scalar(y, "hessian")
             (g,) = _gradients(inner, y, xs)
-        return outer.jacobian(g, xs[0], unconnected_gradients=_ZERO), None
+        return _jacobian_of(outer, g, xs[0], rules), None
 
     def _hvp(self, fn: Any, xs: list, data: list, ts: list) -> tuple:
         # forward-over-reverse: one gradient pass carrying a tangent
@@ -805,6 +844,7 @@ class TensorFlowAdapter(Adapter):
                 results = [tf.identity(o) for o in outputs] if tf.executing_eagerly() else \
                     _graph_boundary(outputs, grad)(*inputs)
             _record.record_operation(rule.name, results, inputs, grad, jvp if rule.has_jvp else None)
+            _RULES_RECORDED[0] += 1
             return tuple(results)
 
         return h

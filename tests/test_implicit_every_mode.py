@@ -36,9 +36,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("tensorflow", "hvp"): "forward mode",
     # paddle cannot take a derivative inside a PyLayer's backward
     **{("paddle", mode): "paddle" for mode in ("hessian", "second_derivative", "hvp", "third", "prepared_hessian")},
-    # autograd has no forward-mode rule for numpy.linalg.solve (the dense solve's), and its
-    # reverse-of-reverse stand-in fails on it too
-    ("autograd", "second_derivative", "ridge"): "no forward-mode rule",
     # pytensor builds forward mode by transposing the reverse rule (the backward's iterative
     # solve is not linear in its cotangent as computed: that was a silent 0)
     ("pytensor", "derivative"): "forward mode",
@@ -52,12 +49,12 @@ OPEN: dict[tuple[str, str, str], str] = {
 }
 
 
-#: Cells that are right but take minutes (third order through the default BiCGSTAB builds a
-#: graph of thousands of nodes, which jax and PyTensor compile): run with ABSTRACTDIFF_SLOW_TESTS=1.
-SLOW = {("jax", "sqrt", "third"): "about 3 minutes", ("pytensor", "sqrt", "third"): "about 4 minutes",
-        # the same second derivatives as the hessian cell, through other routes: about 20 s each
-        ("pytensor", "sqrt", "prepared_hessian"): "about 20 s", ("pytensor", "sqrt", "hvp"): "about 20 s",
-        ("jax", "sqrt", "prepared_hessian"): "about 10 s", ("jax", "sqrt", "hvp"): "about 8 s"}
+#: Cells that are right but slow (PyTensor compiles the graphs of third order through the
+#: default solve, and of the hessian cell's second derivatives through other routes): run
+#: with ABSTRACTDIFF_SLOW_TESTS=1.
+SLOW = {("pytensor", "sqrt", "third"): "about 4 minutes",
+        # the same second derivatives as the hessian cell, through other routes: about 10 s each
+        ("pytensor", "sqrt", "prepared_hessian"): "about 10 s", ("pytensor", "sqrt", "hvp"): "about 10 s"}
 
 
 def _slow(reason: str) -> pytest.MarkDecorator:

@@ -186,10 +186,7 @@ def test_draw_is_seeded_and_varied() -> None:
 #: Saved cases that still fail today, each an open bug of issue 45 (xfail, strict: a fix turns
 #: it into a failure, to be removed from here).
 OPEN = {
-    "mlx-hessian-target_root": "BiCGSTAB's iterations differentiated at second order stop early on an exact solve",
-    "autograd-hessian-target_root": "BiCGSTAB's iterations differentiated at second order stop early on an exact solve",
     "mlx-gradient_of_hvp-ridge": "MLX's own third derivative of x**2 at 0 is nan (an MLX bug)",
-    "mlx-hessian-scan_sum_float+scan_sum_float": "MLX's compile raises IndexError _Map_base::at (not reduced)",
 }
 #: Backends whose drawn grid does not run in `make test` today (the long hunt runs them).
 NOT_DRAWN: dict[str, str] = {}
