@@ -183,9 +183,10 @@ def test_draw_is_seeded_and_varied() -> None:
 
 
 # ------------------------------------------------------------- saved failures, then the grid
-#: Saved cases that still fail today, each an open bug of issue 45 (xfail, strict: a fix turns
-#: it into a failure, to be removed from here).
+#: Saved cases that still fail today (xfail, strict: a fix turns it into a failure, to be
+#: removed from here).
 OPEN = {
+    # not abstractdiff's: MLX's own mx.grad three times gives nan too (docs/backends.md, MLX)
     "mlx-gradient_of_hvp-ridge": "MLX's own third derivative of x**2 at 0 is nan (an MLX bug)",
 }
 #: Backends whose drawn grid does not run in `make test` today (the long hunt runs them).
