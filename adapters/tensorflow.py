@@ -139,25 +139,48 @@ _RULES_RECORDED = [0]
 
 def _jacobian_of(tape: tf.GradientTape, y: Any, x: Any, rules_before: int) -> Any:
     """``tape.jacobian(y, x)`` (zeros where unconnected), pfor-vectorised, or row by row (the
-    tape must then be persistent) where that would be silently wrong: when the Jacobian is
-    differentiated again (a tape or an accumulator outside ``tape`` watches ``y``: call this after
-    leaving ``tape``'s context) and ``y``'s function recorded
-    a custom rule since ``rules_before``.  pfor rewrites each op that depends on the row
-    index into a plain op, and the IdentityN of a custom gradient (``tf.custom_gradient`` in a
-    graph, how a rule's outputs are differentiated there) loses its gradient override: a rule
-    called in a backward on the cotangent (ad.custom_root's adjoint solve, a custom_vjp whose
-    bwd calls another) is differentiated through its forward value there, not by its rule (a
-    third derivative of 0 where the rule stops the forward's gradient).  The loop costs one
-    backward pass per element of ``y``."""
+    tape is then persistent: :func:`_jacobian_tape`) where pfor would be silently wrong: when
+    the Jacobian is differentiated again (a tape or an accumulator outside ``tape`` watches
+    ``y``: call this after leaving ``tape``'s context) and ``y``'s function recorded a custom
+    rule since ``rules_before``.  pfor rewrites each op that depends on the row index into a
+    plain op, and the IdentityN of a custom gradient (``tf.custom_gradient`` in a graph, how a
+    rule's outputs are differentiated there) loses its gradient override: a rule called in a
+    backward on the cotangent (ad.custom_root's adjoint solve, a custom_vjp whose bwd calls
+    another) is differentiated through its forward value there, not by its rule (a third
+    derivative of 0 where the rule stops the forward's gradient).  The rows are a Python loop,
+    one backward pass each: TensorFlow's own row loop (``experimental_use_pfor=False``) is a
+    tf.while_loop, where a rule that takes derivatives cannot run."""
     n = y.shape.num_elements()
-    if _RULES_RECORDED[0] == rules_before or n is None or not _differentiated(y):
+    if _RULES_RECORDED[0] == rules_before or not _differentiated(y):
         return tape.jacobian(y, x, unconnected_gradients=_ZERO)
+    refusal = CompositionError(
+        "TensorFlow cannot take this Jacobian (or a Hessian's second pass) through a custom rule while an "
+        "outer tape or accumulator differentiates it again through a tensor f captures rather than one of "
+        "its inputs (or where the output's size is unknown): its vectorised Jacobian would lose the rule. "
+        "Pass the watched tensor to f as an argument, or use another backend for this derivative"
+    )
+    if n is None:
+        raise refusal
     sources = x if isinstance(x, list) else [x]
     eye = tf.reshape(tf.eye(n, dtype=y.dtype), [n, *y.shape])
-    rows = [_gradients(tape, y, sources, eye[i]) for i in range(n)]  # rows[i][k]: d y_i / d sources[k]
+    try:
+        rows = [_gradients(tape, y, sources, eye[i]) for i in range(n)]  # rows[i][k]: d y_i / d sources[k]
+    except RuntimeError as err:  # a tape _jacobian_tape did not make persistent: one gradient only
+        raise refusal from err
     out = [tf.reshape(tf.stack([row[k] for row in rows]) if n else tf.zeros([0], s.dtype),
                       y.shape.concatenate(s.shape)) for k, s in enumerate(sources)]
     return out if isinstance(x, list) else out[0]
+
+
+def _jacobian_tape(xs: list) -> tf.GradientTape:
+    """The tape of a Jacobian for :func:`_jacobian_of`: persistent where that Jacobian may be
+    differentiated again (eagerly, or under another tape or an accumulator watching ``xs``),
+    which its row loop needs.  Not otherwise: in a graph a persistent tape counts as a second
+    differentiation and turns every ad.fori_loop/ad.scan under it into a Python loop (see
+    _graph_loop), which under an outer differentiation they are already."""
+    tensors = [v for v in xs if tf.is_tensor(v)]
+    nested = not pywrap_tfe.TFE_Py_TapeSetIsEmpty() or pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes(tensors) > 0
+    return tf.GradientTape(persistent=tf.executing_eagerly() or nested)
 
 
 def _implicit_output(out: Any) -> Any:
@@ -730,14 +753,14 @@ class TensorFlowAdapter(Adapter):
 
     def _jacobian(self, fn: Any, xs: list, data: list) -> tuple:
         rules = _RULES_RECORDED[0]
-        with tf.GradientTape(persistent=True) as tape:  # persistent: see _jacobian_of
+        with _jacobian_tape(xs) as tape:
             y, _ = self._call(fn, _watched(tape, xs), data)
         return (y, _jacobian_of(tape, y, xs, rules)), None
 
     def _jacobian_only(self, fn: Any, xs: list, data: list) -> tuple:
         # what a prepared jacobian needs: no value, and one source rather than a list of one
         rules = _RULES_RECORDED[0]
-        with tf.GradientTape(persistent=True) as tape:  # persistent: see _jacobian_of
+        with _jacobian_tape(xs) as tape:
             y, _ = self._call(fn, _watched(tape, xs), data)
         if len(xs) == 1:
             return [_jacobian_of(tape, y, xs[0], rules)], None
@@ -745,7 +768,7 @@ class TensorFlowAdapter(Adapter):
 
     def _hessian(self, fn: Any, xs: list, data: list) -> tuple:
         rules = _RULES_RECORDED[0]
-        with tf.GradientTape(persistent=True) as outer:  # persistent: see _jacobian_of
+        with _jacobian_tape(xs) as outer:
             with tf.GradientTape() as inner:
                 y, _ = self._call(fn, _watched(inner, _watched(outer, xs)), data)
                 _check_scalar(y, "hessian")

@@ -111,3 +111,25 @@ def test_a_rule_called_in_a_backward_keeps_its_rule_at_third_order_on_tensorflow
     assert float(ad.gradient(b, lambda a: ad.hessian(b, cube, a), x)) == pytest.approx(6.0, rel=1e-12)
     assert float(ad.gradient(b, lambda a: ad.jacobian(b, lambda c: ad.gradient(b, cube, c), a), x)) == \
         pytest.approx(6.0, rel=1e-12)
+
+
+def test_a_jacobian_that_cannot_keep_its_rule_is_refused_on_tensorflow() -> None:
+    """Where the row-by-row Jacobian needs a second backward pass from a tape that is not
+    persistent (an outer differentiation through a tensor the function captures, in a graph),
+    the refusal is a CompositionError naming the fix, never pfor's silently wrong Jacobian."""
+    pytest.importorskip("tensorflow")
+    import tensorflow as tf
+    from abstractdiff.adapters import tensorflow as tfa
+
+    @tf.function(autograph=False)  # autograph would rewrap the error in a StagingError
+    def jacobian_under_an_outer_tape(x: Any, a: Any) -> Any:
+        with tf.GradientTape() as outer:
+            outer.watch(a)
+            with tf.GradientTape() as tape:  # not persistent, as _jacobian_tape makes it without nesting
+                tape.watch(x)
+                y = x * x * a
+            rules = tfa._RULES_RECORDED[0] - 1  # as if y's function recorded a custom rule
+            return tfa._jacobian_of(tape, y, x, rules)
+
+    with pytest.raises(ad.CompositionError, match="Pass the watched tensor to f as an argument"):
+        jacobian_under_an_outer_tape(tf.constant([1.0, 2.0]), tf.constant(3.0))

@@ -11,6 +11,8 @@ same run never interrupted, compared bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import signal
 import sys
 import zlib
@@ -146,18 +148,32 @@ class Interrupter:
                 signal.raise_signal(signal.SIGINT)
 
 
+@contextlib.contextmanager
+def _profiled(hook):
+    """``hook`` as the profile function, with the cyclic garbage collector paused: it runs
+    finalizers (``__del__``, weakref callbacks) at points that depend on what earlier tests
+    allocated, and a SIGINT raised in a finalizer is ignored (printed as unraisable), so the
+    calls counted and the interrupts that land would change from run to run."""
+    collecting = gc.isenabled()
+    gc.disable()
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        if collecting:
+            gc.enable()
+
+
 def _reference(case: str, implicit: bool):
     """The run never interrupted, and how many Python calls each of its steps made."""
     make, loss, data, backend, values = CASES[case](implicit)
     model = make()
     state = optim.setup(optim.Adam(0.05), model)
     counter, marks = Interrupter(ad.train.__code__, None), []
-    sys.setprofile(counter)
-    try:
+    with _profiled(counter):
         state, model = ad.train(loss, model, data, state, backend=backend, progress=False,
                                 callbacks=[lambda info: marks.append(counter.count)])
-    finally:
-        sys.setprofile(None)
     # a step's calls once compiled (the first step's trace is cached: resumed runs do not repeat it)
     per_step = int(np.median(np.diff([0, *marks])))
     return values(model), state, per_step
@@ -172,6 +188,7 @@ def _run_interrupted(case: str, implicit: bool, via_train: bool, seed: int, per_
     model = make()
     state = optim.setup(optim.Adam(0.05), model)
     fired: list[str] = []
+    planned: list[str] = []
     calls = {"loss": 0}
     plan: dict = {"kind": "none", "at": None}
 
@@ -191,17 +208,13 @@ def _run_interrupted(case: str, implicit: bool, via_train: bool, seed: int, per_
         nonlocal state, model
         held_state, held_model = state, model
         try:
-            if hook is not None:
-                sys.setprofile(hook)
-            try:
+            with _profiled(hook):
                 if via_train:
                     state, model = ad.train(counted_loss, model, data[state.step:upto], state, backend=backend,
                                             callbacks=[callback], progress=False)
                 else:
                     for batch in data[state.step:upto]:
                         state, model, _ = ad.train_step(counted_loss, model, batch, state, backend=backend)
-            finally:
-                sys.setprofile(None)
         except (KeyboardInterrupt, Boom) as err:
             fired.append(f"{plan['kind']}@{held_state.step}:{type(err).__name__}")
             if via_train:  # what ad.train hands back (no attributes: it raised before it began)
@@ -215,6 +228,7 @@ def _run_interrupted(case: str, implicit: bool, via_train: bool, seed: int, per_
             plan = {"kind": "none", "at": None}
             run(step, None)  # catch up, uninterrupted, where the last interrupt came after this step
             kind = rng.choice(["profile"] * 6 + ["loss"] + ["callback", "callback_sigint"] * via_train)
+            planned.append(str(kind))
             plan = {"kind": kind, "at": None}
             if kind == "profile":
                 plan["at"] = int(rng.integers(1, max(2, per_step)))
@@ -226,7 +240,7 @@ def _run_interrupted(case: str, implicit: bool, via_train: bool, seed: int, per_
     plan = {"kind": "none", "at": None}
     run(STEPS, None)
     assert state.step == STEPS
-    return values(model), state, fired
+    return values(model), state, fired, planned
 
 
 RUNS = [("torch", False, True), ("torch", True, True), ("torch", True, False),
@@ -240,9 +254,12 @@ RUNS = [("torch", False, True), ("torch", True, True), ("torch", True, False),
 def test_interrupted_training_resumes_bit_for_bit(case, implicit, via_train):
     expected, ref_state, per_step = _reference(case, implicit)
     seed = zlib.crc32(f"{case}{implicit}{via_train}".encode())
-    got, state, fired = _run_interrupted(case, implicit, via_train, seed, per_step)
-    assert len(fired) >= INTERRUPTS * 3 // 4, fired  # most planned interrupts landed (a loss a compiled
-    # step does not call again, or a point past the run's end, may not)
+    got, state, fired, planned = _run_interrupted(case, implicit, via_train, seed, per_step)
+    # most planned interrupts landed (a point past the run's end may not); not counting those
+    # planned in the loss, which a compiled step calls only when it traces (whether it traces
+    # again depends on what earlier tests left in the compiled-step cache)
+    landed = [f for f in fired if not f.startswith("loss@")]
+    assert len(landed) >= sum(k != "loss" for k in planned) * 3 // 4, (planned, fired)
     assert state.step == ref_state.step == STEPS
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
