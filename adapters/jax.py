@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from abstractdiff._arrays import check_scalar, signature
+from abstractdiff._captures import CaptureGuard, _function_key
 from abstractdiff._compose import ForeignKernel, boundary_error
 from abstractdiff._custom import mode_refusal
 from abstractdiff._errors import ArgumentTypeError, CompositionError, LoopDerivativeError, TracedControlFlowError
@@ -133,6 +134,49 @@ def _fresh(a: Any) -> Any:
     return a.view() if isinstance(a, np.ndarray) else a
 
 
+def _stale_captures(fn: Any) -> list[str]:
+    """The numpy arrays ``fn``'s user function reads by closure or global (the walk that
+    keys traces: :mod:`abstractdiff._captures`) that jax converts, in the present x64 mode,
+    to another dtype than this mode's: each as ``name dtype[shape] -> dtype``.
+
+    That is jax's own per-object memory seen directly: ``dtypes.canonicalize_value`` (C++
+    in jaxlib 0.10) keeps the array it made of a numpy array per array object, weakly, while
+    that result lives, whatever the x64 mode it was made in; a trace that captured the array
+    holds the result (its jaxpr's constants, in jax's caches, until they evict it or the
+    cyclic garbage collector frees it).  A float64 array first seen outside x64 mode is
+    then float32 to a trace in the x64 scope (lax refuses ``float64 * float32``; or, through
+    ``jnp.asarray``, a float64 result computed from float32-rounded values), and an int64
+    array first seen in the scope stays int64 outside it.  Neither the memory nor its
+    holders can be reached without changing jax or the user's closure, so the adapter says
+    what happened (see :meth:`JaxAdapter._traced`).  Best effort: ``[]`` where the walk
+    fails (the caller then re-raises jax's own error)."""
+    from jax._src import dtypes as jax_dtypes  # the conversion the trace used; no public name
+
+    try:
+        f = fn.f  # the user's function (a core FlatFunction; raises where it has none)
+        guard = CaptureGuard()
+        _function_key(f, [], 0, set(), guard)
+        arrays = [entry[1]() for entry in guard._rest if entry[0] == "array"]
+        code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+        names = {}
+        if code is not None:
+            for name, cell in zip(code.co_freevars, cells):
+                with contextlib.suppress(ValueError):
+                    names.setdefault(id(cell.cell_contents), name)
+            for name in code.co_names:
+                names.setdefault(id(f.__globals__.get(name)), name)
+        stale = []
+        for a in arrays:
+            if a is None:
+                continue
+            held = jax_dtypes.canonicalize_value(a).dtype
+            if held != jax_dtypes.canonicalize_dtype(a.dtype):
+                stale.append(f"{names.get(id(a), 'a numpy array')} {a.dtype}{list(a.shape)} -> {held}")
+        return stale
+    except Exception:  # noqa: BLE001 - a diagnosis only: jax's own error stands
+        return []
+
+
 def _platform_devices(platform: str) -> list[Any]:
     try:
         return list(jax.devices(platform))
@@ -228,8 +272,11 @@ class _Loops:
         return jax.lax.while_loop(lambda c: cond(list(c)), step, _typed(init, init))
 
 
-def _loop_errors(traced: Callable) -> Callable:
-    """``traced`` with jax's refusal to reverse a while loop as the core's error (at trace time)."""
+def _loop_errors(traced: Callable, fn: Any = None) -> Callable:
+    """``traced`` with jax's refusal to reverse a while loop as the core's error, and jax's
+    dtype errors from a stale captured array (:func:`_stale_captures` of ``fn``) as an
+    :class:`ArgumentTypeError` (at trace time; jax raises the latter while it transforms
+    the trace too, so this wraps the whole transform rather than the call of ``fn``)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return traced(*args, **kwargs)
@@ -239,6 +286,21 @@ def _loop_errors(traced: Callable) -> Callable:
             raise LoopDerivativeError(
                 "reverse mode (a gradient, pullback or Hessian) through ad.while_loop, which jax cannot reverse: "
                 "use ad.fori_loop with a bound (or ad.scan), or forward mode (pushforward, jacfwd)"
+            ) from err
+        except (TypeError, jax.errors.JaxRuntimeError) as err:
+            # jax's dtype error (or a compiled op refusing the buffer) names no cause: is it
+            # a numpy array f captured, converted by jax in the other x64 mode?  (No retry
+            # after a garbage collection: the failed trace itself holds the conversion.)
+            stale = [] if isinstance(err, ArgumentTypeError) else _stale_captures(fn)
+            if not stale:
+                raise
+            raise ArgumentTypeError(
+                "jax converted numpy array(s) that f reads by closure or global to a dtype "
+                f"other than this call's ({'; '.join(stale)}): jax remembers its conversion of a "
+                "numpy array per array object, not per x64 mode, while a trace made in the other "
+                "mode (float32 inputs outside x64, float64 inputs inside it) is alive.  Pass the "
+                "array to f as an argument (arguments are converted per call), or convert it in "
+                "f with the dtype you mean (jnp.asarray(w, dtype=x.dtype))"
             ) from err
     return call
 
@@ -443,7 +505,7 @@ class JaxAdapter(Adapter):
             return build()
         # jit caches per input shapes and dtypes itself; the x64 mode changes what a trace
         # means (float64 inputs are float32 outside it), so it is part of the variant
-        traced = lambda: _loop_errors(build())  # noqa: E731
+        traced = lambda: _loop_errors(build(), fn)  # noqa: E731
         return fn.artefacts(self.backend, operator).get(x64, lambda: jax.jit(traced()) if self.compile else traced())
 
     # ------------------------------------------------------------- primitives
