@@ -146,6 +146,15 @@ def _forward_mode(method: Callable) -> Callable:
     return serialised
 
 
+
+def _dual_ready(xs: list) -> tuple:
+    """``xs`` as torch.func.jvp's primals: ``make_dual`` refuses a tensor whose elements share
+    memory (an expanded one, such as the cotangent of a sum, which a custom rule's backward
+    hands on as an input: ad.custom_root's adjoint solve at third order), so such a tensor is
+    made contiguous (a copy that stays in the caller's graph); others pass as they are."""
+    return tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in xs)
+
+
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``t`` in ``ref``'s float dtype.  torch 2.13's forward mode promotes a product with a
     Python float (``0.25 * s * s``) to float64 in float32 code (jvp, jacfwd, and the forward
@@ -587,7 +596,7 @@ class TorchAdapter(Adapter):
         y, aux = self._forward(fn)(xs, data)
         value = self._value_fn(fn, data)
         y = self._tensor(y)
-        primals = tuple(xs)
+        primals = _dual_ready(xs)
 
         def jvp(*ts: torch.Tensor) -> torch.Tensor:
             return torch.func.jvp(value, primals, ts)[1]
@@ -654,7 +663,7 @@ class TorchAdapter(Adapter):
         # Forward over reverse: one jvp of the gradient function, no Hessian built.
         grad = torch.func.grad(self._value_fn(fn, data, "hvp"), argnums=tuple(range(len(xs))))
         try:
-            hv = torch.func.jvp(grad, tuple(xs), tuple(tangents))[1]
+            hv = torch.func.jvp(grad, _dual_ready(xs), tuple(tangents))[1]
         except (RuntimeError, CustomRuleError) as err:  # an ad.custom_vjp: it has no forward-mode rule
             # Reverse over reverse where torch 2.13's forward mode fails on the function: a jvp
             # through the backward of an index op (take, index_select) of a float32 array scaled
@@ -673,7 +682,7 @@ class TorchAdapter(Adapter):
     def value_derivative_and_second_derivative(self, fn: FlatFn, xs: list, data: list) -> tuple[Any, Any, Any]:
         # forward over forward: the inner jvp's primal and tangent are y and dy/dx
         value = self._value_fn(fn, data)
-        (x,) = xs
+        (x,) = _dual_ready(xs)
         one = torch.ones_like(x)
 
         def value_and_derivative(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,6 +87,22 @@ def test_the_third_derivative_through_an_early_stopped_default_solve(name: str, 
     np.testing.assert_allclose(np.asarray(ad.to_numpy(got), dtype=float), 0.375 * W * A**-2.5, **_tolerance(name))
 
 
+def test_forward_over_the_adjoint_solve_of_a_sum_on_torch() -> None:
+    """The Jacobian (forward mode) of a Hessian through custom_root on torch: the adjoint solve
+    takes the sum's cotangent, an expanded tensor, as an input, which torch's make_dual refused
+    (found by an attack: a raw RuntimeError, right before the adjoint solve existed)."""
+    b = _backend("torch", {})
+
+    def f(a: Any) -> Any:
+        return anp.sum(_sqrt(anp.ones_like(a), a))
+
+    a = np.array([4.0, 9.0])
+    want = np.zeros((2, 2, 2))
+    want[0, 0, 0], want[1, 1, 1] = 0.375 * a**-2.5  # d3/da3 sqrt(a)
+    got = ad.jacobian(b, lambda t: ad.hessian(b, f, t), a)
+    np.testing.assert_allclose(np.asarray(ad.to_numpy(got)), want, rtol=1e-9, atol=1e-12)
+
+
 # ------------------------------------------------------- tensorflow: a rule inside a backward, under pfor
 @ad.custom_vjp
 def _times(v: Any, w: Any) -> Any:
