@@ -324,22 +324,24 @@ class _ImplicitSolver:
     # ------------------------------------------------------------ the implicit function theorem
     def _theta_cotangent(self, x: Any, theta: tuple, ct: Any) -> tuple:
         """``-(dF/dtheta)^T u`` with ``(dF/dx)^T u = ct``, at ``(x, theta)``, one per ``theta``."""
-        from ._operators import pullback
-
-        flat = _Flat(x)
-        vjp = pullback(current_backend(), self._residual, (x, theta))
-
-        def matvec(u: Any) -> Any:  # (dF/dx)^T u
-            return flat.ravel(vjp(u)[0])
-
+        matvec, vjp = self._transposed(x, theta)
         # u by the adjoint solve, a custom function itself (jax's custom_linear_solve): a second
         # derivative differentiates this rule, and through the linear solver's iterations that
         # is not the derivative of (dF/dx)^-T ct where the solver stops early on an exact
         # answer (BiCGSTAB solves a dF/dx with k distinct eigenvalues in k steps: derivatives
         # of 2e-3 off, where the iterate's derivative has not converged)
         adjoint = self._adjoint_solve()
-        u, poison = self._linear_solution(matvec, flat.ravel(ct), lambda _, b: adjoint(b * 0, x, theta, b))
+        u, poison = self._linear_solution(matvec, _Flat(x).ravel(ct), lambda _, b: adjoint(b * 0, x, theta, b))
         return self._negated(vjp(u)[1], poison)
+
+    def _transposed(self, x: Any, theta: tuple) -> tuple[Callable[[Any], Any], Any]:
+        """``(matvec, vjp)`` at ``(x, theta)``: ``matvec(u) = (dF/dx)^T u`` on x's raveled
+        vector, and the pullback of F it is read from (``vjp(u)[1]`` is ``(dF/dtheta)^T u``)."""
+        from ._operators import pullback
+
+        vjp = pullback(current_backend(), self._residual, (x, theta))
+        flat = _Flat(x)
+        return (lambda u: flat.ravel(vjp(u)[0])), vjp
 
     def _adjoint_solve(self) -> _ImplicitSolver:
         """``solve(init, x, theta, b) -> u`` with ``(dF/dx)^T u = b`` at ``(x, theta)``: the linear
@@ -348,17 +350,12 @@ class _ImplicitSolver:
         more linear solve each, with ``dG/du = (dF/dx)^T``), never from the solver's iterations.
         Made on first use: a third derivative makes the adjoint solve's own, and so on."""
         if self._adjoint is None:
-            from ._operators import pullback
-
             def residual(u: Any, x: Any, theta: tuple, b: Any) -> Any:  # G(u, x, theta, b)
-                vjp = pullback(current_backend(), self._residual, (x, theta))
-                return _Flat(x).ravel(vjp(u)[0]) - b
+                return self._transposed(x, theta)[0](u) - b
 
             def solve(init: Any, x: Any, theta: tuple, b: Any) -> Any:
                 x, theta, b = stop_gradient((x, theta, b))  # differentiated implicitly, not here
-                vjp = pullback(current_backend(), self._residual, (x, theta))
-                flat = _Flat(x)
-                return self.solve(lambda u: flat.ravel(vjp(u)[0]), b)
+                return self.solve(self._transposed(x, theta)[0], b)
 
             self._adjoint = _ImplicitSolver(solve, residual, self.solve, self.what)
         return self._adjoint

@@ -146,7 +146,6 @@ def _forward_mode(method: Callable) -> Callable:
     return serialised
 
 
-
 def _dual_ready(xs: list) -> tuple:
     """``xs`` as torch.func.jvp's primals: ``make_dual`` refuses a tensor whose elements share
     memory (an expanded one, such as the cotangent of a sum, which a custom rule's backward
